@@ -1,0 +1,64 @@
+"""The fused CPU attention kernel (engine/csrc/cpu_attention.cpp), compiled once per machine on first use.
+
+torch's C++ extension builder compiles it with the host's vector instructions (-march=native) into
+the cache folder, keyed by the source and the CPU's flags, so a shared home directory never loads a
+build made for another CPU. If no compiler is available (or MAGICDEC_CPU_KERNEL=0), `load()` returns
+None and the engine uses the pure-torch attention, which gives the same results more slowly.
+This module builds and loads; the attention module decides when to call the kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+from engine.models import cache_root
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
+_state: dict[str, object] = {}
+log = logging.getLogger(__name__)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def load():
+    """The compiled module, or None when it cannot be built here (the reason is logged once)."""
+    if "module" in _state:
+        return _state["module"]
+    module = None
+    if os.environ.get("MAGICDEC_CPU_KERNEL", "1") != "0":
+        try:
+            module = _build()
+        except Exception as exc:  # noqa: BLE001 - any build failure falls back to torch
+            log.warning("fused CPU attention unavailable, using the torch path: %s",
+                        str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+    _state["module"] = module
+    return module
+
+
+def _build():
+    import torch
+    from torch.utils.cpp_extension import load as load_extension
+
+    from engine.models import _file_lock
+
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"magicdec_cpu_attention_{key}"
+    build_dir = cache_root() / "torch_extensions" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+    with _file_lock(build_dir / "build.lock"):  # data-parallel ranks may start together
+        return load_extension(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+                              extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)

@@ -1,0 +1,128 @@
+"""MagicDec's cost model and the speculation-length (gamma) policy built on it.
+
+With per-token acceptance probability a, a round drafting g tokens yields on average
+Omega(g, a) = (1 - a^(g+1)) / (1 - a) tokens per row, and costs g * T_D + T_V(g). Relative to plain
+decoding (T_T per token) the time per generated token is (g * T_D + T_V(g)) / (Omega * T_T); the best
+g minimises it, and g = 0 (plain decoding) wins when no g brings it below 1.
+
+`GammaPolicy` applies this to the running job: T_T, T_D, T_V(g) and a are measured as the job runs
+(exponential moving averages, so they follow the contexts as they grow and the batch as it drains),
+re-evaluated every `replan_every` rounds, with an occasional probe round so that a policy that chose
+plain decoding still notices when speculation starts to pay. `magicdec plan` uses the same functions
+with times predicted from a roofline instead of measured. No model code here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+
+def expected_tokens(gamma: int, alpha: float) -> float:
+    """Omega(g, a): expected tokens a row emits in one round (accepted drafts + the target's token)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def relative_time(gamma: int, alpha: float, t_draft: float, t_verify: float, t_target: float) -> float:
+    """Time per generated token with speculation, relative to plain decoding (< 1 means faster)."""
+    if gamma == 0:
+        return 1.0
+    return (gamma * t_draft + t_verify) / (expected_tokens(gamma, alpha) * t_target)
+
+
+def best_gamma(alpha: float, t_draft: float, t_verify: Callable[[int], float], t_target: float,
+               gamma_max: int) -> tuple[int, float]:
+    """(g, predicted speedup) minimising relative time over 0..gamma_max; g = 0 means do not speculate."""
+    best, best_rel = 0, 1.0
+    for g in range(1, gamma_max + 1):
+        rel = relative_time(g, alpha, t_draft, t_verify(g), t_target)
+        if rel < best_rel - 1e-12:
+            best, best_rel = g, rel
+    return best, 1.0 / best_rel
+
+
+class _Ema:
+    def __init__(self, weight: float = 0.2):
+        self.weight, self.value = weight, None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
+
+
+class GammaPolicy:
+    """Fixed gamma, or "auto": the cost model fed with what this job measures."""
+
+    PROBE_GAMMA = 3
+
+    def __init__(self, gamma: int | str, gamma_max: int, replan_every: int, speculative: bool):
+        self.fixed = None if gamma == "auto" else int(gamma)
+        if not speculative:
+            self.fixed = 0
+        self.gamma_max = gamma_max
+        self.replan_every = replan_every
+        self.t_draft = _Ema()  # seconds per draft step (one token for every row)
+        self.t_verify: dict[int, _Ema] = {}  # gamma -> seconds per target forward of gamma + 1 tokens
+        self.accepts = _Ema(0.05)  # accepted draft tokens per round-row
+        self.trials = _Ema(0.05)  # accepts + rejections per round-row
+        self.rounds = 0
+        self.planned_at: int | None = None
+        self.current = 0 if self.fixed is None else self.fixed
+        self.last_positive = min(self.PROBE_GAMMA, gamma_max)
+        self.predicted_speedup = 1.0
+
+    @property
+    def alpha(self) -> float:
+        if not self.trials.value:
+            return 0.0
+        return min(self.accepts.value / self.trials.value, 0.999)
+
+    def observe(self, *, gamma: int, rows: int, draft_s: float, verify_s: float, accepted: list[int]) -> None:
+        self.rounds += 1
+        self.t_verify.setdefault(gamma, _Ema()).add(verify_s)
+        if gamma > 0:
+            self.t_draft.add(draft_s / gamma)
+            accepts = sum(accepted)
+            rejections = sum(1 for a in accepted if a < gamma)
+            self.accepts.add(accepts / rows)
+            self.trials.add((accepts + rejections) / rows)
+
+    def next_gamma(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if 0 not in self.t_verify:  # warm-up: one plain round, then one probe round
+            return 0
+        if self.t_draft.value is None:
+            return self.last_positive
+        since = self.rounds - self.planned_at if self.planned_at is not None else None
+        if since is None or since >= self.replan_every:
+            self.current, self.predicted_speedup = self.plan()
+            self.planned_at, since = self.rounds, 0
+            if self.current > 0:
+                self.last_positive = self.current
+        if self.replan_every >= 2 and since == self.replan_every // 2:
+            # Once per period, the other choice: a plain round refreshes T_T while speculating, a
+            # speculative round refreshes T_D, T_V and the acceptance while decoding plainly.
+            return self.last_positive if self.current == 0 else 0
+        return self.current
+
+    def verify_time(self, gamma: int) -> float:
+        """Measured T_V(g), or a least-squares line through the measured points for unmeasured g."""
+        if gamma in self.t_verify:
+            return self.t_verify[gamma].value
+        points = [(g, e.value) for g, e in self.t_verify.items()]
+        if len(points) == 1:
+            return points[0][1]
+        n = len(points)
+        mean_g = sum(g for g, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        var = sum((g - mean_g) ** 2 for g, _ in points)
+        slope = sum((g - mean_g) * (t - mean_t) for g, t in points) / var if var else 0.0
+        return max(mean_t + slope * (gamma - mean_g), 0.0)
+
+    def plan(self) -> tuple[int, float]:
+        t_target = self.t_verify[0].value
+        if not t_target or self.t_draft.value is None or math.isnan(t_target):
+            return self.current, 1.0
+        return best_gamma(self.alpha, self.t_draft.value, self.verify_time, t_target, self.gamma_max)

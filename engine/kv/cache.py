@@ -1,0 +1,61 @@
+"""The engine-owned KV cache: preallocated once, one fixed-capacity slot per concurrent sequence.
+
+Layout: `k` and `v` are each one tensor `[layers, slots, kv_heads, capacity, head_dim]`, so a slot's
+keys for one layer and KV head are a contiguous `[capacity, head_dim]` block that attention reads
+without copying. `lengths[slot]` is how many positions of that slot are committed; anything past it
+is scratch that the next forward overwrites (speculative tokens, rejected drafts). Emptying, refilling
+and rolling back a slot only changes its length: nothing is reallocated or concatenated after
+construction. This module stores; it does not attend or decide what a draft may see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, *, layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.layers, self.slots, self.kv_heads = layers, slots, kv_heads
+        self.head_dim, self.capacity = head_dim, capacity
+        shape = (layers, slots, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, capacity, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, capacity, head_dim]
+        self.lengths = [0] * slots  # committed positions per slot
+
+    @staticmethod
+    def bytes_needed(*, layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int,
+                     dtype: torch.dtype) -> int:
+        """slots x capacity x layers x 2 (K and V) x kv_heads x head_dim x bytes per element."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return slots * capacity * layers * 2 * kv_heads * head_dim * element
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def clear(self, slot: int) -> None:
+        """Empty a slot for a new sequence."""
+        self.lengths[slot] = 0
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Commit (or roll back to) `length` positions of a slot; positions past it become scratch."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"slot {slot}: length {length} outside [0, {self.capacity}]")
+        self.lengths[slot] = length
+
+    def write(self, layer: int, slot_rows: torch.Tensor, positions: torch.Tensor,
+              key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store new keys/values of one layer.
+
+        slot_rows, positions: [B * T] slot and position of each new token (row-major over B, T).
+        key, value: [B, kv_heads, T, head_dim] (post-RoPE, as transformers' attention receives them).
+        """
+        rows = key.transpose(1, 2).reshape(-1, self.kv_heads, self.head_dim)  # [B * T, kv_heads, head_dim]
+        self.k[layer][slot_rows, :, positions] = rows.to(self.k.dtype)
+        rows = value.transpose(1, 2).reshape(-1, self.kv_heads, self.head_dim)
+        self.v[layer][slot_rows, :, positions] = rows.to(self.v.dtype)

@@ -1,0 +1,26 @@
+"""StreamingLLM (Xiao et al. 2023) as a draft view: the first `sink` tokens plus the newest ones.
+
+Static: no search and no per-slot state; the same positions for every layer and KV head. With
+`budget` entries and `sink` sinks the draft reads [0, sink) and the newest `budget - sink` positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv.base import Compressor, FixedKeptView
+
+
+class StreamingLLM(Compressor):
+    name = "streamingllm"
+
+    def view(self, slots: list[int], ends: list[int]) -> FixedKeptView:
+        device = self.cache.device
+        B = len(slots)
+        ends_t = torch.tensor(ends, dtype=torch.long, device=device)  # [B]
+        sink = min(self.config.sink, self.budget)
+        kept = torch.arange(sink, device=device).expand(B, self.cache.kv_heads, sink)  # [B, kv_heads, sink]
+        count = torch.clamp(ends_t, max=sink)  # [B]
+        return FixedKeptView(lambda layer: kept, count, count, ends_t, self.budget, self.timer,
+                             layer_invariant=True)
+
