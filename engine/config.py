@@ -36,8 +36,8 @@ class DraftConfig:
     pooling: str = "avgpool"  # snapkv: avgpool | maxpool
     subspaces: int = 16  # pqcache: sub-vectors per key (must divide head_dim)
     bits: int = 8  # pqcache: log2 of centroids per sub-space
-    kmeans_iters: int = 8  # pqcache: Lloyd iterations at prefill
-    kmeans_sample: int = 2048  # pqcache: keys sampled per head to fit the centroids
+    kmeans_iters: int = 6  # pqcache: Lloyd iterations at prefill
+    kmeans_sample: int = 1024  # pqcache: keys sampled per head to fit the centroids
 
 
 @dataclass(frozen=True)

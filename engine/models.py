@@ -257,3 +257,17 @@ def _quiet_transformers():
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def load_tokenizer(spec: str):
+    """Only the tokenizer (for `validate`); None for random-shape models, which have none."""
+    if spec.endswith("-shape") and spec[: -len("-shape")] in MODEL_SHAPES:
+        return None
+    from transformers import AutoTokenizer
+
+    folder = resolve_model_folder(spec)
+    try:
+        with _quiet_transformers():
+            return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise JobError(f"model: cannot load the tokenizer of {spec} ({folder}): {_one_line(exc)}") from exc

@@ -32,6 +32,7 @@ class EngineStats:
     verify_s: float = 0.0
     position_proposed: list[int] = dataclasses.field(default_factory=list)
     position_accepted: list[int] = dataclasses.field(default_factory=list)
+    accepted_histogram: list[int] = dataclasses.field(default_factory=list)  # drafts by accepted length 0..gamma
     gamma_trace: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (round, gamma) on change
 
     def record_round(self, *, gamma: int, rows: int, accepted: list[int], emitted: int) -> None:
@@ -54,6 +55,10 @@ class EngineStats:
         for i in range(gamma):
             self.position_proposed[i] += rows
             self.position_accepted[i] += sum(1 for a in accepted if a > i)
+        while len(self.accepted_histogram) < gamma + 1:
+            self.accepted_histogram.append(0)
+        for a in accepted:
+            self.accepted_histogram[a] += 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -78,6 +83,7 @@ class EngineStats:
             "mean_accepted_length": 1 + self.accepted_tokens / drafts if drafts else 0.0,
             "per_position_acceptance": [a / p if p else 0.0
                                         for a, p in zip(self.position_accepted, self.position_proposed)],
+            "accepted_length_histogram": list(self.accepted_histogram),
             "draft_s": self.draft_s,
             "select_s": self.select_s,
             "verify_s": self.verify_s,

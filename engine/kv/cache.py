@@ -19,8 +19,9 @@ class KVCache:
         self.layers, self.slots, self.kv_heads = layers, slots, kv_heads
         self.head_dim, self.capacity = head_dim, capacity
         shape = (layers, slots, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, capacity, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, capacity, head_dim]
+        # empty, not zeros: pages are touched as slots fill; nothing reads past a slot's length.
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, capacity, head_dim]
+        self.v = torch.empty(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, capacity, head_dim]
         self.lengths = [0] * slots  # committed positions per slot
 
     @staticmethod

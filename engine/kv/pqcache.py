@@ -136,7 +136,20 @@ def kmeans(points: torch.Tensor, count: int, iters: int, sample: int) -> torch.T
     return centroids
 
 
-def nearest(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest centroid (squared L2). points [..., n, d], centroids [..., C, d] -> [..., n]."""
-    distance = (centroids * centroids).sum(-1)[..., None, :] - 2 * torch.matmul(points, centroids.transpose(-1, -2))
-    return distance.argmin(dim=-1)
+def nearest(points: torch.Tensor, centroids: torch.Tensor, chunk: int = 128) -> torch.Tensor:
+    """Index of the nearest centroid (squared L2). points [..., n, d], centroids [..., C, d] -> [..., n].
+
+    argmin ||x - c||^2 = argmax (x.c - ||c||^2 / 2), computed in chunks of points so the [n, C]
+    scores stay in cache.
+    """
+    lead = points.shape[:-2]
+    n, d = points.shape[-2:]
+    flat_points = points.reshape(-1, n, d)  # [G, n, d]
+    flat_centroids = centroids.reshape(-1, *centroids.shape[-2:])  # [G, C, d]
+    half_norms = (flat_centroids * flat_centroids).sum(-1)[:, None, :] / 2  # [G, 1, C]
+    transposed = flat_centroids.transpose(1, 2)  # [G, d, C]
+    out = torch.empty(flat_points.shape[:2], dtype=torch.long, device=points.device)  # [G, n]
+    for start in range(0, n, chunk):
+        scores = torch.bmm(flat_points[:, start:start + chunk], transposed)  # [G, chunk, C]
+        out[:, start:start + chunk] = scores.sub_(half_norms).argmax(dim=-1)
+    return out.view(*lead, n)

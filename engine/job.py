@@ -1,0 +1,224 @@
+"""A batch job end to end: recipe + input file -> engine -> output rows + report.
+
+`run_job` checks everything that can be checked before any model is loaded (recipe, input file,
+output path, KV-cache memory), then streams input rows through the prompt builder into the engine,
+writes every finished row at once (crash-safe, resumable), and writes the report. Rows that are
+unusable become error records and the job goes on. Progress goes to a `ProgressSink` supplied by the
+caller (the CLI draws it with Rich); this module prints nothing and knows nothing about terminals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+from engine.config import Recipe, load_recipe
+from engine.errors import JobError, RowError
+from engine.io import InputReader, OutputWriter, id_key, open_input, openai_batch_request
+from engine.memory import check_memory
+from engine.prompts import PromptBuilder
+from engine.report import JobReport, write_report
+from engine.sequence import Request, Result
+
+
+class ProgressSink(Protocol):
+    def start(self, total: int | None, done: int) -> None: ...
+    def update(self, report: JobReport, stats) -> None: ...
+    def finish(self) -> None: ...
+
+
+class NoProgress:
+    def start(self, total, done):
+        pass
+
+    def update(self, report, stats):
+        pass
+
+    def finish(self):
+        pass
+
+
+@dataclasses.dataclass
+class JobOptions:
+    recipe: str
+    input: str
+    output: str | None = None
+    report: str | None = None
+    overrides: tuple[str, ...] = ()
+    mode: str = "new"  # new | resume | overwrite
+    limit: int | None = None
+    tp: int = 1
+
+
+@dataclasses.dataclass
+class JobOutcome:
+    report: dict[str, Any]
+    report_path: Path
+    output_path: Path
+    exit_code: int
+
+
+def default_output_path(input_path: Path, recipe: Recipe) -> Path:
+    """`<input stem>.<recipe name>.jsonl` next to the input (docs.jsonl.gz -> docs.docqa.jsonl)."""
+    name = input_path.name
+    for suffix in (".jsonl.gz", ".jsonl", ".parquet"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return input_path.with_name(f"{name}.{recipe.name}.jsonl")
+
+
+def default_report_path(output: Path) -> Path:
+    return Path(str(output) + ".report.json")
+
+
+def prepare(options: JobOptions) -> tuple[Recipe, InputReader, Path, Path]:
+    """Everything checked before loading a model; raises JobError (exit 2) with one line."""
+    recipe = load_recipe(options.recipe, options.overrides)
+    reader = open_input(options.input)
+    output = Path(options.output) if options.output else default_output_path(Path(options.input), recipe)
+    report = Path(options.report) if options.report else default_report_path(output)
+    if output.resolve() == Path(options.input).resolve():
+        raise JobError(f"{output}: the output would overwrite the input")
+    return recipe, reader, output, report
+
+
+def output_manifest(recipe: Recipe, input_path: str) -> dict[str, Any]:
+    """What an output depends on: resuming is refused if these differ (batch size, gamma, the draft
+    method and the like only change the speed, so they may change between runs)."""
+    full = recipe.to_dict()
+    affects = {k: full[k] for k in ("model", "dtype", "sampling", "prompt", "input", "output")}
+    return {"recipe": affects, "model": recipe.model, "recipe_name": recipe.name,
+            "input": str(Path(input_path).resolve()), "full_recipe": full}
+
+
+def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parallel=None) -> JobOutcome:
+    """Run one job. `parallel` (engine.parallel) shards the model; None = this process alone."""
+    from engine.engine import Engine, slot_capacity
+    from engine.models import load_model
+
+    progress = progress or NoProgress()
+    recipe, reader, output_path, report_path = prepare(options)
+    manifest = output_manifest(recipe, options.input)
+    check_memory(recipe, tp=options.tp)
+
+    def open_writer() -> OutputWriter:
+        return OutputWriter(output_path, mode=options.mode, manifest=manifest)
+
+    # An existing output is refused (or checked for --resume) before the model loads; --overwrite
+    # deletes the old output only once the model has loaded, so a failed load costs nothing.
+    writer = None if options.mode == "overwrite" else open_writer()
+    t0 = time.time()
+    try:
+        target = load_model(recipe.model, dtype=recipe.dtype, device=recipe.device)
+        draft = None
+        if recipe.draft.method != "none" and recipe.draft.model:
+            draft = load_model(recipe.draft.model, dtype=recipe.dtype, device=recipe.device)
+        if parallel is not None:
+            target, draft = parallel.shard(target, draft)
+        engine = Engine(recipe, target, draft, sync=parallel.sync if parallel is not None else None)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        raise
+    writer = writer or open_writer()
+    report = JobReport(recipe=recipe.name, model=recipe.model, input=str(options.input), output=str(output_path),
+                       method=recipe.draft.method, budget=recipe.draft.budget, device=str(target.device),
+                       tp=options.tp, load_s=time.time() - t0)
+    report.rows_resumed = len(writer.done_ids)
+    report.resumed_failed = writer.done_errors
+    report.kv_cache_bytes = engine.target.cache.nbytes + (
+        engine.draft.cache.nbytes if engine.draft is not None and engine.draft is not engine.target else 0)
+    max_len, _ = slot_capacity(recipe, target.max_context)
+    builder = PromptBuilder(recipe.prompt, target.tokenizer, max_prompt_len=max_len)
+    total = reader.total if options.limit is None else min(options.limit, reader.total or options.limit)
+    with writer:
+        try:
+            progress.start(total, report.rows_resumed)
+            report.sample(engine.stats)
+            requests = _requests(reader, recipe, builder, writer, report, options.limit)
+            last_sample = time.time()
+            for result in engine.run(requests):
+                _write_result(writer, report, result)
+                progress.update(report, engine.stats)
+                if time.time() - last_sample > 1.0:
+                    report.sample(engine.stats)
+                    last_sample = time.time()
+            report.sample(engine.stats)
+        finally:
+            progress.finish()
+    summary = report.to_dict(engine.stats)
+    summary["job"]["input_rows_total"] = reader.total
+    write_report(summary, report_path)
+    return JobOutcome(summary, report_path, output_path, report.exit_code)
+
+
+def _requests(reader: InputReader, recipe: Recipe, builder: PromptBuilder, writer: OutputWriter,
+              report: JobReport, limit: int | None) -> Iterator[Request]:
+    """Input rows -> engine requests; unusable rows are written as error records on the way.
+
+    Ids must be unique: a row whose id was already queued in this run is not generated twice (the
+    output is keyed by id); it is counted as failed and named in the report's `duplicate_ids`.
+    """
+    id_field = recipe.input.id_field
+    queued: set[str] = set()
+    id_is_str: bool | None = None  # the type of the input's own ids, for ids made up from row numbers
+    for row in reader:
+        if limit is not None and row.index >= limit:
+            return
+        data = row.data or {}
+        row_id = data.get(id_field, row.index)
+        max_new = recipe.sampling.max_new_tokens
+        try:
+            openai = openai_batch_request(data) if row.error is None else None
+        except RowError as exc:
+            openai, row.error = None, str(exc)
+            row_id = data.get("custom_id", row_id)
+        if openai is not None:
+            row_id = openai["id"]
+            max_new = openai["overrides"].get("max_new_tokens", max_new)
+        if id_field in data or openai is not None:
+            id_is_str = isinstance(row_id, str) if id_is_str is None else id_is_str
+        elif id_is_str:
+            row_id = str(row_id)  # keep one id type per output (Parquet needs it)
+        key = id_key(row_id)
+        if key in writer.done_ids:
+            continue
+        if key in queued:
+            report.rows_failed += 1
+            report.extra.setdefault("duplicate_ids", []).append(row_id)
+            continue
+        queued.add(key)
+        try:
+            if row.error is not None:
+                raise RowError(row.error)
+            ids = builder.token_ids(data, openai, max_new_tokens=max_new)
+        except RowError as exc:
+            _write_error(writer, report, row_id, str(exc), data, recipe)
+            continue
+        extra = {c: data.get(c) for c in recipe.output.keep_columns}
+        yield Request(row.index, row_id, ids, max_new, extra)
+
+
+def _write_error(writer: OutputWriter, report: JobReport, row_id: Any, message: str, data: dict,
+                 recipe: Recipe) -> None:
+    row = {"id": row_id, "text": None, "finish_reason": "error", "prompt_tokens": 0, "output_tokens": 0,
+           "error": message}
+    row.update({c: data.get(c) for c in recipe.output.keep_columns})
+    writer.write(row)
+    report.rows_failed += 1
+
+
+def _write_result(writer: OutputWriter, report: JobReport, result: Result) -> None:
+    row = {"id": result.request.id, "text": result.text, "finish_reason": result.finish_reason,
+           "prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens, "error": result.error}
+    row.update(result.request.extra)
+    writer.write(row)
+    if result.finish_reason == "error":
+        report.rows_failed += 1
+    else:
+        report.rows_ok += 1
+        report.latencies.append(result.latency_s)
+        report.first_token.append(result.first_token_s)

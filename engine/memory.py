@@ -1,0 +1,74 @@
+"""Will the job fit in memory? Checked from the model's config before any weights are loaded.
+
+The KV cache is the big allocation (slots x capacity x layers x 2 x kv_heads x head_dim x bytes,
+see `KVCache.bytes_needed`); the weights come on top. If both do not fit in what the device has
+free, the job stops with one line that says so and names the largest `batch.size` that fits.
+This module only estimates; it allocates nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import Recipe
+from engine.errors import JobError
+from engine.kv.cache import KVCache
+from engine.models import model_shapes, resolve_device, resolve_dtype
+
+HEADROOM = 0.9  # leave 10% of the free memory for activations, the allocator and the rest
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # unknown: do not block
+
+
+def weight_bytes(shapes: dict, element: int) -> int:
+    per_layer = (shapes["hidden"] * shapes["head_dim"] * (2 * shapes["heads"] + 2 * shapes["kv_heads"])
+                 + 3 * shapes["hidden"] * shapes["intermediate"])
+    embeddings = shapes["vocab"] * shapes["hidden"] * (1 if shapes["tied_embeddings"] else 2)
+    return (shapes["layers"] * per_layer + embeddings) * element
+
+
+def kv_bytes(recipe: Recipe, shapes: dict, slots: int, dtype: torch.dtype, tp: int) -> int:
+    from engine.engine import slot_capacity
+
+    _, capacity = slot_capacity(recipe, shapes["max_context"])
+    kv_heads = -(-shapes["kv_heads"] // tp)  # the largest shard under tensor parallelism
+    return KVCache.bytes_needed(layers=shapes["layers"], slots=slots, kv_heads=kv_heads,
+                                head_dim=shapes["head_dim"], capacity=capacity, dtype=dtype)
+
+
+def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
+    """Raise JobError if KV cache + weights exceed the free memory; returns the bytes needed."""
+    device = resolve_device(recipe.device)
+    dtype = resolve_dtype(recipe.dtype, device)
+    element = torch.empty((), dtype=dtype).element_size()
+    models = [recipe.model] + ([recipe.draft.model] if recipe.draft.method != "none" and recipe.draft.model else [])
+    shapes = [model_shapes(m) for m in models]
+    slots = recipe.batch.size
+
+    def need(n: int) -> int:
+        return sum(kv_bytes(recipe, s, n, dtype, tp) + weight_bytes(s, element) // tp for s in shapes)
+
+    total = need(slots)
+    free = available_bytes(device)
+    if total > HEADROOM * free:
+        fits = 0
+        while fits < slots and need(fits + 1) <= HEADROOM * free:
+            fits += 1
+        gib = 2 ** 30
+        hint = f"batch.size {fits} fits" if fits else "lower batch.max_len or use a smaller dtype"
+        raise JobError(f"batch.size {slots} x batch.max_len needs {total / gib:.1f} GiB (KV cache + weights) "
+                       f"but {device.type} has {free / gib:.1f} GiB free; {hint}")
+    return total

@@ -1,0 +1,198 @@
+"""`magicdec` commands. Each parses its options, calls one engine function, prints, and exits.
+
+Exit codes (the contract): 0 every row produced output; 1 the job finished but some rows are error
+records; 2 nothing was run (bad recipe, unreadable input, existing output, ...), with one line on
+stderr naming the file, row or key (a traceback only with MAGICDEC_DEBUG=1). The command functions
+hold no logic of their own beyond choosing what to print.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from engine.errors import JobError
+from magicdec_cli.console import Out
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Batch long-context generation with MagicDec speculative decoding.")
+
+RecipeArg = Annotated[str, typer.Argument(help="Recipe YAML path, or a shipped recipe name (docqa, rag, code, generic).")]
+InputOpt = Annotated[Path, typer.Option("--input", "-i", help="Input rows: .parquet, .jsonl or .jsonl.gz.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a recipe key: --set draft.method=snapkv (repeatable).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else there.")]
+
+
+def guarded(fn):
+    """Map JobError to one red line and exit 2; anything unexpected to one line and exit 3."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except JobError as exc:
+            if os.environ.get("MAGICDEC_DEBUG") == "1":
+                traceback.print_exc()
+            Out().error(str(exc))
+            raise typer.Exit(2)
+        except KeyboardInterrupt:
+            Out().error("interrupted; rerun with --resume to continue")
+            raise typer.Exit(130)
+        except typer.Exit:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the last line of defence
+            if os.environ.get("MAGICDEC_DEBUG") == "1":
+                raise
+            Out().error(f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                        " (set MAGICDEC_DEBUG=1 for the traceback)")
+            raise typer.Exit(3)
+
+    return wrapper
+
+
+def _set_threads() -> None:
+    import torch
+
+    threads = os.environ.get("MAGICDEC_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+@app.command()
+@guarded
+def run(
+    recipe: RecipeArg,
+    input: InputOpt,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output .jsonl or .parquet (default: <input stem>.<recipe>.jsonl next to the input).")] = None,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Report JSON (default: <output>.report.json).")] = None,
+    set_: SetOpt = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an existing output, skipping ids already written.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output.")] = False,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N input rows.")] = None,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel processes (DeepSpeed AutoTP).")] = 1,
+    dp: Annotated[int, typer.Option("--dp", min=1, help="Data-parallel engine groups.")] = 1,
+    quiet: QuietOpt = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Generate for every input row; write outputs and a throughput report."""
+    from engine.job import JobOptions
+
+    if resume and overwrite:
+        raise JobError("--resume and --overwrite exclude each other")
+    out = Out(quiet=quiet, json_mode=json_)
+    options = JobOptions(recipe=recipe, input=str(input), output=str(output) if output else None,
+                         report=str(report) if report else None, overrides=tuple(set_ or ()),
+                         mode="resume" if resume else "overwrite" if overwrite else "new", limit=limit, tp=tp)
+    from engine import parallel
+
+    if parallel.needs_launch(tp, dp):
+        raise typer.Exit(parallel.launch(sys.argv[1:], tp=tp, dp=dp, options=options))
+    _set_threads()
+    outcome = parallel.run(options, out.progress(), tp=tp, dp=dp)
+    if outcome is None:  # a non-zero rank: rank 0 reports
+        return
+    summary = outcome.report
+    if json_:
+        print(json.dumps(summary, default=str))
+    else:
+        from engine.report import summary_rows
+
+        out.table(f"magicdec: {outcome.output_path}", summary_rows(summary))
+        out.info(f"report: {outcome.report_path}")
+    raise typer.Exit(outcome.exit_code)
+
+
+@app.command()
+@guarded
+def validate(recipe: RecipeArg, input: InputOpt, set_: SetOpt = None,
+             limit: Annotated[Optional[int], typer.Option("--limit", min=1)] = None,
+             quiet: QuietOpt = False, json_: JsonOpt = False) -> None:
+    """Check the recipe and every input row (templates, lengths) without running a model."""
+    from engine.validate import validate_job
+
+    out = Out(quiet=quiet, json_mode=json_)
+    result = validate_job(recipe, str(input), tuple(set_ or ()), limit=limit)
+    if json_:
+        print(json.dumps(result))
+    else:
+        out.table(f"validate: {input}", [(k, str(v)) for k, v in result.items() if k != "problems"])
+        for problem in result["problems"]:
+            out.info(f"[yellow]row {problem['row']}[/] (id {problem['id']}): {problem['error']}")
+        if result["rows_bad"] > len(result["problems"]):
+            out.info(f"... and {result['rows_bad'] - len(result['problems'])} more")
+    raise typer.Exit(1 if result["rows_bad"] else 0)
+
+
+@app.command()
+@guarded
+def recipes(name: Annotated[Optional[str], typer.Argument(help="Show this recipe, fully resolved.")] = None,
+            set_: SetOpt = None) -> None:
+    """List the shipped recipes, or show one with every default filled in."""
+    import yaml
+
+    from engine.config import RECIPES_DIR, load_recipe, shipped_recipe_names
+
+    if name is None:
+        for recipe_name in shipped_recipe_names():
+            first = (RECIPES_DIR / f"{recipe_name}.yaml").read_text().splitlines()[0]
+            print(f"{recipe_name:10s} {first.lstrip('# ').strip()}")
+        return
+    print(yaml.safe_dump(load_recipe(name, tuple(set_ or ())).to_dict(), sort_keys=False), end="")
+
+
+@app.command()
+@guarded
+def plan(
+    recipe: RecipeArg,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Concurrent sequences B.")] = 16,
+    context: Annotated[int, typer.Option("--context", min=1, help="Context length L (tokens).")] = 8192,
+    acceptance: Annotated[float, typer.Option("--acceptance", min=0.0, max=0.999, help="Per-token acceptance assumed.")] = 0.8,
+    hardware: Annotated[str, typer.Option("--hardware", help="a100 | h100 | h200 | l40 | measure (this machine).")] = "h100",
+    tp: Annotated[int, typer.Option("--tp", min=1)] = 1,
+    gamma: Annotated[Optional[int], typer.Option("--gamma", min=1, help="Evaluate this gamma instead of the best.")] = None,
+    set_: SetOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Cost model: predicted T_T, T_D, T_V, best gamma and speedup for a recipe at B x L."""
+    from engine.planning import plan_recipe
+
+    out = Out(json_mode=json_)
+    result = plan_recipe(recipe, tuple(set_ or ()), batch=batch, context=context, acceptance=acceptance,
+                         hardware=hardware, tp=tp, gamma=gamma)
+    if json_:
+        print(json.dumps(result, default=str))
+        return
+    out.table(f"plan: {recipe} on {result['hardware']['name']} (tp {tp}), B={batch}, L={context}",
+              [(k, v) for k, v in result["display"]])
+
+
+@app.command()
+@guarded
+def report(path: Annotated[Path, typer.Argument(help="A report JSON written by `magicdec run`.")]) -> None:
+    """Render a saved report in the terminal."""
+    from engine.report import summary_rows
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        rows = summary_rows(data)
+    except OSError as exc:
+        raise JobError(f"{path}: cannot read report: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise JobError(f"{path}: not a magicdec report ({type(exc).__name__}: {exc})") from None
+    Out().table(f"report: {data['job'].get('output', path)}", rows)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random-weight Llama models (with a transformers twin) and the real default model."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def make_tiny(seed: int = 0, *, init: float = 0.3, **overrides):
+    """A LoadedModel with random weights, and a transformers reference sharing the same weights.
+
+    A large init_range makes the logits peaked, so greedy argmax ties (which could flip on float
+    noise between two correct implementations) practically never happen.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from engine.models import LoadedModel, shape_config
+
+    keys = dict(initializer_range=init, max_position_embeddings=1024)
+    keys.update(overrides)
+    config = shape_config("tiny", **keys)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="magicdec").eval().requires_grad_(False)
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    reference.load_state_dict(model.state_dict())
+    loaded = LoadedModel(name=f"tiny-{seed}", model=model, tokenizer=None, eos_token_ids=(config.eos_token_id,),
+                         max_context=config.max_position_embeddings, device=torch.device("cpu"),
+                         dtype=torch.float32)
+    return loaded, reference
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return make_tiny(0)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The packaged SmolLM2-135M-Instruct (converted once into the cache by the first test that needs it)."""
+    from engine.models import load_model
+
+    return load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
+
+
+def random_prompts(count: int, low: int, high: int, vocab: int = 512, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (count,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(reference, prompt: list[int], max_new: int, eos: int | None = 2) -> list[int]:
+    """transformers' own greedy generate, one prompt alone (batch 1)."""
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+    return out[0, len(prompt):].tolist()

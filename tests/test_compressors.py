@@ -1,0 +1,198 @@
+"""Each compressor's selection equals a brute-force implementation of its rule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.config import DraftConfig
+from engine.kv.cache import KVCache
+from engine.kv.pqcache import PQCache, kmeans, nearest
+from engine.kv.snapkv import SnapKV
+from engine.kv.streamingllm import StreamingLLM
+
+LAYERS, SLOTS, KV_HEADS, HEADS, D = 2, 3, 2, 4, 8
+
+
+def filled_cache(capacity=400, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(layers=LAYERS, slots=SLOTS, kv_heads=KV_HEADS, head_dim=D, capacity=capacity,
+                    dtype=torch.float32, device="cpu")
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    return cache
+
+
+def view_sets(view, layer, query, B):
+    positions, valid = view.select(layer, query)
+    return [[set(positions[b, h][valid[b, h]].tolist()) for h in range(KV_HEADS)] for b in range(B)]
+
+
+def no_duplicates(view, layer, query):
+    positions, valid = view.select(layer, query)
+    for b in range(positions.shape[0]):
+        for h in range(KV_HEADS):
+            chosen = positions[b, h][valid[b, h]].tolist()
+            assert len(chosen) == len(set(chosen)), "a position counted twice would distort the softmax"
+
+
+# ----------------------------------------------------------------------------- StreamingLLM
+
+def streaming_reference(end, budget, sink):
+    if end <= budget:
+        return set(range(end))
+    return set(range(sink)) | set(range(end - (budget - sink), end))
+
+
+@pytest.mark.parametrize("budget,sink", [(16, 4), (64, 0), (32, 31)])
+def test_streamingllm_keeps_sinks_and_the_newest(budget, sink):
+    cache = filled_cache()
+    method = StreamingLLM(DraftConfig(method="streamingllm", budget=budget, sink=sink), cache, HEADS)
+    ends = [3, budget, budget + 1, 377]
+    view = method.view([0, 1, 2, 0], ends)
+    query = torch.zeros(4, HEADS, 1, D)
+    for b, end in enumerate(ends):
+        for h in range(KV_HEADS):
+            assert view_sets(view, 0, query, 4)[b][h] == streaming_reference(end, budget, sink)
+    no_duplicates(view, 0, query)
+
+
+# ----------------------------------------------------------------------------- SnapKV
+
+def snapkv_reference(queries, keys, prompt_len, window, kernel, pooling):
+    """Loops: softmax of each window query (causal), summed over window and group heads, pooled.
+
+    Returns the pooled score of every candidate position, per KV head.
+    """
+    heads = queries.shape[0]
+    group = heads // KV_HEADS
+    kept = []
+    for h in range(KV_HEADS):
+        score = [0.0] * prompt_len
+        for qh in range(h * group, (h + 1) * group):
+            for w in range(window):
+                qpos = prompt_len - window + w
+                logits = [float(queries[qh, w] @ keys[h, j]) / math.sqrt(D) for j in range(qpos + 1)]
+                top = max(logits)
+                exps = [math.exp(x - top) for x in logits]
+                total = sum(exps)
+                for j, e in enumerate(exps):
+                    score[j] += e / total
+        region = score[: prompt_len - window]
+        pad = kernel // 2
+        pooled = []
+        for j in range(len(region)):
+            around = [region[i] if 0 <= i < len(region) else None for i in range(j - pad, j + pad + 1)]
+            if pooling == "maxpool":
+                pooled.append(max(x for x in around if x is not None))
+            else:
+                pooled.append(sum(x for x in around if x is not None) / kernel)
+        kept.append(pooled)
+    return kept
+
+
+def is_top(chosen: set[int], scores: list[float], keep: int) -> bool:
+    """`chosen` is a top-`keep` set of `scores` (ties and float32-vs-float64 noise at the cut allowed)."""
+    count = min(keep, len(scores))
+    threshold = sorted(scores, reverse=True)[count - 1]
+    return len(chosen) == count and all(scores[j] >= threshold - 1e-6 for j in chosen)
+
+
+@pytest.mark.parametrize("pooling", ["avgpool", "maxpool"])
+def test_snapkv_selection_matches_brute_force(pooling):
+    cache = filled_cache(seed=1)
+    budget, window, kernel = 40, 6, 5
+    method = SnapKV(DraftConfig(method="snapkv", budget=budget, window=window, kernel_size=kernel,
+                                pooling=pooling), cache, HEADS)
+    g = torch.Generator().manual_seed(2)
+    prompt_lens = {0: 120, 2: 30}  # one long prompt, one shorter than the budget
+    for slot, n in prompt_lens.items():
+        observed = torch.randn(LAYERS, HEADS, window, D, generator=g)
+        method.prefill_done(slot, n, observed)
+        for layer in range(LAYERS):
+            keys = cache.k[layer, slot, :, :n]
+            scores = snapkv_reference(observed[layer], keys, n, window, kernel, pooling)
+            count = int(method.kept_count[slot])
+            for h in range(KV_HEADS):
+                assert is_top(set(method.kept[layer, slot, h, :count].tolist()), scores[h], budget - window)
+    # The draft view: kept positions + the newest `window` (sliding as tokens are generated).
+    query = torch.zeros(2, HEADS, 1, D)
+    for end in (120, 121, 150):
+        view = method.view([0, 2], [end, 30 + end - 120])
+        for layer in range(LAYERS):
+            sets = view_sets(view, layer, query, 2)
+            for h in range(KV_HEADS):
+                kept = set(method.kept[layer, 0, h, :budget - window].tolist())
+                assert sets[0][h] == kept | set(range(end - window, end))
+                # Short prompt: all of its 24 pre-window positions are kept, the rest of the budget
+                # goes to the newest positions (so the draft reads everything while it fits).
+                short_end = 30 + end - 120
+                assert sets[1][h] == set(range(24)) | set(range(max(24, short_end - (budget - 24)), short_end))
+            no_duplicates(view, layer, query)
+
+
+# ----------------------------------------------------------------------------- PQCache
+
+def test_kmeans_codes_are_the_nearest_centroids():
+    g = torch.Generator().manual_seed(3)
+    points = torch.randn(3, 200, 4, generator=g)
+    centroids = kmeans(points, 16, iters=5, sample=128)
+    codes = nearest(points, centroids, chunk=37)
+    for s in range(3):
+        for i in range(200):
+            distances = ((centroids[s] - points[s, i]) ** 2).sum(-1)
+            assert torch.isclose(distances[codes[s, i]], distances.min())
+    # Lloyd steps lower the quantisation error compared with the initial centroids.
+    init = points[:, torch.linspace(0, 199, 16).round().long()]
+    err = lambda c: ((points - c.gather(1, nearest(points, c)[..., None].expand(-1, -1, 4))) ** 2).sum()
+    assert err(centroids) < err(init)
+
+
+def test_pqcache_retrieval_matches_brute_force():
+    cache = filled_cache(seed=4)
+    config = DraftConfig(method="pqcache", budget=48, sink=4, window=8, subspaces=4, bits=3, kmeans_iters=4)
+    method = PQCache(config, cache, HEADS)
+    prompt = {0: 300, 1: 200}
+    for slot, n in prompt.items():
+        method.prefill_done(slot, n, None)
+    method.committed(0, 310)  # ten generated tokens committed after the prompt
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(2, HEADS, 1, D, generator=g)
+    ends = [311, 201]
+    view = method.view([0, 1], ends)
+    group, sub = HEADS // KV_HEADS, D // config.subspaces
+    retrieve = config.budget - config.sink - config.window
+    for layer in range(LAYERS):
+        sets = view_sets(view, layer, query, 2)
+        for b, slot in enumerate([0, 1]):
+            end = ends[b]
+            for h in range(KV_HEADS):
+                q = query[b, h * group:(h + 1) * group, 0].sum(0)  # the group's summed query
+                scores = {}
+                for pos in range(config.sink, end - config.window):
+                    code = method.codes[layer, slot, h, pos].long()
+                    total = 0.0
+                    for m in range(config.subspaces):
+                        centroid = method.centroids[layer, slot, h, m, code[m]]
+                        total += float(q[m * sub:(m + 1) * sub] @ centroid)
+                    scores[pos] = total
+                fixed = set(range(config.sink)) | set(range(end - config.window, end))
+                assert fixed <= sets[b][h]
+                candidates = sorted(scores)
+                retrieved = {candidates.index(p) for p in sets[b][h] - fixed}
+                assert is_top(retrieved, [scores[p] for p in candidates], retrieve)
+        no_duplicates(view, layer, query)
+    # Codes of committed generated tokens use the prompt's centroids.
+    keys = cache.k[0, 0, :, 300:310].view(KV_HEADS, 10, config.subspaces, sub).permute(0, 2, 1, 3)
+    want_codes = nearest(keys, method.centroids[0, 0]).permute(0, 2, 1)
+    assert torch.equal(method.codes[0, 0, :, 300:310].long(), want_codes)
+
+
+def test_pqcache_reads_everything_below_the_budget():
+    cache = filled_cache(seed=6)
+    method = PQCache(DraftConfig(method="pqcache", budget=48, sink=4, window=8, subspaces=4, bits=3), cache, HEADS)
+    method.prefill_done(0, 30, None)
+    view = method.view([0], [31])
+    assert view_sets(view, 0, torch.zeros(1, HEADS, 1, D), 1)[0] == [set(range(31))] * KV_HEADS

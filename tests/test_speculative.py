@@ -1,0 +1,134 @@
+"""MagicDec rounds are lossless: greedy speculative output equals the engine's plain greedy output.
+
+Tiny random-weight models; every compressor, self-speculation and a separate draft model; rows of
+different lengths finishing at different times; EOS and max_new_tokens landing inside accepted runs;
+every acceptance length 0..gamma occurring (checked, not assumed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny, random_prompts
+from engine.config import recipe_from_dict
+from engine.engine import Engine
+from engine.errors import JobError
+from engine.models import LoadedModel
+from engine.sequence import Request, Sequence
+
+GAMMA = 4
+MAX_NEW = 40
+
+
+def recipe(method: str, *, gamma=GAMMA, budget=64, temperature=0.0, size=4):
+    return recipe_from_dict({
+        "model": "tiny",
+        "draft": {"method": method, "budget": budget, "sink": 4, "window": 8, "subspaces": 4, "bits": 4},
+        "spec": {"gamma": gamma}, "batch": {"size": size, "prefill_chunk": 32},
+        "sampling": {"max_new_tokens": MAX_NEW, "temperature": temperature, "seed": 11},
+    })
+
+
+def run(engine, prompts):
+    results = {r.request.index: r for r in engine.run(Request(i, i, p, MAX_NEW) for i, p in enumerate(prompts))}
+    return [results[i].token_ids for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    loaded, _ = make_tiny(0)
+    prompts = random_prompts(10, 20, 150)
+    plain = run(Engine(recipe("none"), loaded), prompts)
+    # EOS: a token plain greedy emits mid-way in some rows, so rows stop at different times.
+    counts = torch.bincount(torch.tensor([t for row in plain for t in row[3:30]]), minlength=512)
+    eos = int(counts.argmax())
+    return loaded, prompts, eos
+
+
+def noisy_copy(loaded: LoadedModel, scale: float) -> LoadedModel:
+    """A separate draft model: the target's weights plus noise (same vocabulary, other weights)."""
+    draft, _ = make_tiny(0)
+    g = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for p in draft.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    draft.eos_token_ids = loaded.eos_token_ids
+    return draft
+
+
+@pytest.fixture
+def cuts(monkeypatch):
+    """Record every round whose tokens were cut by a row's stop (EOS or max_new_tokens)."""
+    seen = []
+    original = Sequence.extend
+
+    def extend(self, tokens):
+        taken = original(self, tokens)
+        if taken < len(tokens):
+            seen.append(self.finish_reason)
+        return taken
+
+    monkeypatch.setattr(Sequence, "extend", extend)
+    return seen
+
+
+@pytest.mark.parametrize("draft_kind", ["self", "separate"])
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "pqcache"])
+def test_greedy_speculation_is_lossless(setup, cuts, method, draft_kind):
+    loaded, prompts, eos = setup
+    loaded.eos_token_ids = (eos,)
+    plain = run(Engine(recipe("none"), loaded), prompts)
+    draft = noisy_copy(loaded, 0.005) if draft_kind == "separate" else None
+    engine = Engine(recipe(method), loaded, draft)
+    cuts.clear()
+    speculative = run(engine, prompts)
+    assert speculative == plain
+    histogram = engine.stats.accepted_histogram
+    assert len(histogram) == GAMMA + 1 and all(histogram), f"acceptance lengths seen: {histogram}"
+    assert "stop" in cuts and "length" in cuts, f"stops inside accepted runs: {cuts}"
+    lengths = {len(row) for row in plain}
+    assert len(lengths) > 1 and MAX_NEW in lengths  # rows finished at different times
+
+
+def test_speculation_with_fixed_gamma_one_and_auto(setup):
+    loaded, prompts, eos = setup
+    loaded.eos_token_ids = (eos,)
+    plain = run(Engine(recipe("none"), loaded), prompts)
+    assert run(Engine(recipe("streamingllm", gamma=1), loaded), prompts) == plain
+    auto = Engine(recipe_from_dict({**recipe("streamingllm").to_dict(), "spec": {"gamma": "auto", "replan_every": 4}}),
+                  loaded)
+    assert run(auto, prompts) == plain
+
+
+def test_speculative_sampling_is_reproducible(setup):
+    loaded, prompts, _ = setup
+    loaded.eos_token_ids = (2,)
+    first = run(Engine(recipe("snapkv", temperature=0.9), loaded), prompts)
+    assert run(Engine(recipe("snapkv", temperature=0.9), loaded), prompts) == first
+
+
+def test_separate_draft_must_share_the_vocabulary(setup):
+    loaded, _, _ = setup
+    other, _ = make_tiny(0, vocab_size=600)
+    with pytest.raises(JobError, match="vocabulary"):
+        Engine(recipe("streamingllm"), loaded, other)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "pqcache"])
+def test_real_model_speculation_equals_plain(real_model, method):
+    tokenizer = real_model.tokenizer
+    import inspect
+    import textwrap
+
+    source = inspect.getsource(textwrap)
+    texts = [source[:1800] + "\n# What does dedent do?\n", source[2000:3600] + "\n# Summary:\n"]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    base = {"batch": {"size": 2, "max_len": 1024}, "sampling": {"max_new_tokens": 24}}
+    plain = run(Engine(recipe_from_dict({**base, "draft": {"method": "none"}}), real_model), prompts)
+    spec = Engine(recipe_from_dict({**base, "draft": {"method": method, "budget": 128, "window": 16, "sink": 8},
+                                    "spec": {"gamma": 3}}), real_model)
+    out = run(spec, prompts)
+    assert out == plain
+    assert spec.stats.accepted_tokens > 0
