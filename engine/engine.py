@@ -45,7 +45,10 @@ def slot_capacity(recipe: Recipe, max_context: int) -> tuple[int, int]:
 
 class Engine:
     def __init__(self, recipe: Recipe, target: LoadedModel, draft: LoadedModel | None = None,
-                 *, sync: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 *, sync: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 agree: Callable[[int], int] | None = None):
+        """sync: makes every tensor-parallel rank use rank 0's token tensors; agree: the same for
+        a Python int (the gamma each round, which rank 0 picks from its own timings)."""
         self.recipe = recipe
         self.target_model = target
         self.max_len, capacity = slot_capacity(recipe, target.max_context)
@@ -65,6 +68,7 @@ class Engine:
         self.rounds = RoundRunner(self.target, self.draft, self.compressor, recipe.sampling, self.stats, sync)
         self.policy = GammaPolicy(recipe.spec.gamma, recipe.spec.gamma_max, recipe.spec.replan_every,
                                   speculative=method != "none")
+        self.agree = agree or (lambda value: value)
         self.free_slots = list(range(slots))
         self.active: list[Sequence] = []
 
@@ -87,7 +91,7 @@ class Engine:
                 if not waiting:
                     return
                 continue
-            gamma = self.policy.next_gamma()
+            gamma = self.agree(self.policy.next_gamma())
             t0 = time.perf_counter()
             draft_s, verify_s, accepted = self.rounds.run(self.active, gamma)
             self.stats.decode_s += time.perf_counter() - t0

@@ -82,6 +82,8 @@ def prepare(options: JobOptions) -> tuple[Recipe, InputReader, Path, Path]:
     report = Path(options.report) if options.report else default_report_path(output)
     if output.resolve() == Path(options.input).resolve():
         raise JobError(f"{output}: the output would overwrite the input")
+    if reader.total == 0 or next(iter(reader), None) is None:
+        raise JobError(f"{options.input}: the input has no rows")
     return recipe, reader, output, report
 
 

@@ -39,7 +39,10 @@ class Out:
             self.err.print(message)
 
     def error(self, message: str) -> None:
-        self.err.print(f"[bold red]magicdec: error:[/] {message}", markup=True, highlight=False)
+        # One line whatever the terminal width (scripts grep it); escape the message's own brackets.
+        from rich.markup import escape
+
+        self.err.print(f"[bold red]magicdec: error:[/] {escape(message)}", soft_wrap=True, highlight=False)
 
     def table(self, title: str, rows: list[tuple[str, str]]) -> None:
         if not self.chatty:

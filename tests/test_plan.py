@@ -26,6 +26,8 @@ def test_contract_keys_and_per_gamma_lists():
         assert key in result, f"plan result lacks contract key {key!r}"
     assert isinstance(result["gamma"], int)
     assert result["acceptance"] == 0.8
+    g = result["gamma"]
+    assert result["expected_acceptance_rate"] == pytest.approx((result["expected_tokens"] - 1) / g)
     assert result["gammas"] == list(range(1, 9)), "default gamma_max is 8"
     assert len(result["t_verify_ms_by_gamma"]) == len(result["speedup_by_gamma"]) == 8
     assert result["t_verify_ms"] == result["t_verify_ms_by_gamma"][result["gamma"] - 1]
@@ -33,6 +35,14 @@ def test_contract_keys_and_per_gamma_lists():
     assert (inputs["batch"], inputs["context"], inputs["method"], inputs["budget"], inputs["tp"]) == (
         64, 32768, "streamingllm", 512, 1)
     assert result["hardware"]["name"] == "H100-SXM"
+
+
+def test_display_rows_are_label_value_strings():
+    from engine.plan import display_rows
+
+    rows = display_rows(run(method="pqcache"))
+    assert rows and all(isinstance(label, str) and isinstance(value, str) for label, value in rows)
+    assert any("search" in value for _, value in rows), "pqcache shows its search time"
 
 
 def test_verify_costs_grow_with_gamma_and_exceed_a_decode_step():
@@ -55,7 +65,7 @@ def test_long_context_large_batch_speculates_and_beats_short_context_small_batch
     long_ = run(batch=64, context=32768)
     short = run(batch=1, context=512)
     assert long_["gamma"] >= 2, f"B=64 x 32K on H100 should speculate with gamma >= 2, got {long_['gamma']}"
-    assert long_["predicted_speedup"] > short["predicted_speedup"], (long_["predicted_speedup"], short["predicted_speedup"])
+    assert long_["predicted_speedup"] > short["predicted_speedup"], (long_, short)
     assert long_["target_bound"] == "memory"
 
 
@@ -115,7 +125,15 @@ def test_pqcache_search_grows_with_batch_times_context_faster_than_streamingllm(
     assert growth["pqcache"] > growth["streamingllm"], growth
     assert growth["snapkv"] == pytest.approx(growth["streamingllm"]), "snapkv selects at prefill only"
     assert run(method="pqcache", context=256)["t_select_ms"] == 0.0, "no search while the row fits the budget"
-    assert run(method="pqcache")["t_select_ms"] > 0.0
+    assert 0.0 < run(method="pqcache", pq_search="fused")["t_select_ms"] < run(method="pqcache")["t_select_ms"]
+
+
+def test_pq_search_bytes_per_position():
+    from engine.plan import pq_search_bytes
+
+    assert pq_search_bytes(16, 8, "fused") == 16 + 4 + 4 * 4
+    assert pq_search_bytes(16, 8, "torch") == 16 * (3 + 8 + 8 + 4 + 4) + 12 + 4 * 4
+    assert pq_search_bytes(16, 10, "fused") == 32 + 20, "codes wider than 8 bits take 2 bytes"
 
 
 def test_tensor_parallel_splits_work_but_pays_communication():
@@ -163,6 +181,10 @@ def test_bad_inputs_are_one_line_job_errors():
         run(acceptance=1.0)
     with pytest.raises(JobError, match="batch"):
         run(batch=0)
+    with pytest.raises(JobError, match="link_bw"):
+        run(hardware={k: v for k, v in hardware_profile("h100").items() if k != "link_bw"})
+    with pytest.raises(JobError, match="pq_search"):
+        run(method="pqcache", pq_search="cuda")
 
 
 def test_measure_hardware_returns_positive_numbers():

@@ -106,7 +106,7 @@ class PQView:
         centroids = pq.centroids[layer].index_select(0, self.slots)  # [B, kv_heads, m, C, sub]
         table = torch.einsum("bhms,bhmcs->bhmc", q, centroids)  # [B, kv_heads, m, C]
         S = self.search_end
-        codes = pq.codes[layer].index_select(0, self.slots)[:, :, :S]  # [B, kv_heads, S, m]
+        codes = pq.codes[layer, :, :, :S].index_select(0, self.slots)  # [B, kv_heads, S, m]
         approx = table.gather(3, codes.permute(0, 1, 3, 2).long()).sum(dim=2)  # [B, kv_heads, S]
         position = torch.arange(S, device=q.device)
         outside = (position[None, :] < pq.config.sink) | (position[None, :] >= (self.ends - pq.config.window)[:, None])

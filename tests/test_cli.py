@@ -1,0 +1,182 @@
+"""The command line as users and cron jobs see it: exit codes, one-line errors, outputs, --json."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from magicdec_cli.main import app
+
+runner = CliRunner()
+FAST = ["--set", "batch.size=3", "--set", "batch.max_len=256", "--set", "sampling.max_new_tokens=8",
+        "--set", "draft.budget=32", "--set", "draft.window=8", "--quiet"]
+ROWS = [{"id": f"r{i}", "prompt": text} for i, text in enumerate([
+    "The capital of France is", "Write a haiku about rivers.", "def add(a, b):", "Once upon a time,",
+    "List three prime numbers:"])]
+CONTRACT_KEYS = {
+    "job": ["recipe", "model", "input", "output", "rows", "rows_ok", "rows_failed", "wall_s"],
+    "throughput": ["prefill_tokens", "prefill_s", "decode_tokens", "decode_s", "decode_tokens_per_s",
+                   "total_tokens_per_s"],
+    "speculative": ["method", "budget", "gamma", "drafts", "draft_tokens", "accepted_tokens", "acceptance_rate",
+                    "mean_accepted_length", "per_position_acceptance", "draft_s", "verify_s"],
+    "memory": ["peak_bytes"], "hardware": ["device", "threads", "tp"],
+}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_line_error(result, *fragments):
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+# ------------------------------------------------------------------ refused before anything runs
+
+def test_unknown_recipe_key_names_the_closest(tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    result = invoke("run", "generic", "--input", data, "--set", "draft.budgte=64")
+    assert result.exit_code == 2
+    one_line_error(result, "draft.budgte", "draft.budget")
+
+
+def test_bad_recipe_value_and_missing_recipe(tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: smollm2-135m-instruct\ndraft:\n  method: snapkw\n")
+    result = invoke("run", bad, "--input", data)
+    assert result.exit_code == 2
+    one_line_error(result, "bad.yaml", "draft.method", "snapkv")
+    result = invoke("run", tmp_path / "nope.yaml", "--input", data)
+    assert result.exit_code == 2
+    one_line_error(result, "nope.yaml")
+
+
+@pytest.mark.parametrize("name,content", [("missing.jsonl", None), ("rows.csv", "a,b\n"), ("empty.jsonl", "\n"),
+                                          ("bad.jsonl.gz", "not gzip")])
+def test_unreadable_or_empty_input(tmp_path, name, content):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    result = invoke("run", "generic", "--input", path)
+    assert result.exit_code == 2
+    one_line_error(result, name)
+
+
+def test_truncated_parquet_is_refused(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    path.write_bytes(path.read_bytes()[:-20])
+    result = invoke("validate", "generic", "--input", path)
+    assert result.exit_code == 2
+    one_line_error(result, "rows.parquet")
+
+
+def test_existing_output_is_left_untouched(tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "old"}\n')
+    result = invoke("run", "generic", "--input", data, "--output", out)
+    assert result.exit_code == 2
+    one_line_error(result, "out.jsonl", "--resume", "--overwrite")
+    assert out.read_text() == '{"id": "old"}\n'
+
+
+def test_debug_variable_shows_the_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAGICDEC_DEBUG", "1")
+    result = invoke("run", "generic", "--input", tmp_path / "missing.jsonl")
+    assert result.exit_code == 2 and "Traceback" in result.output
+
+
+# ------------------------------------------------------------------ jobs on the real default model
+
+@pytest.mark.real_model
+def test_json_summary_has_the_contract_keys_and_bad_rows_become_error_records(tmp_path):
+    rows = ROWS + [{"id": "no-prompt", "text": "wrong column"}]
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": "broken", "prompt": \n')
+    out = tmp_path / "out.jsonl"
+    result = invoke("run", "generic", "--input", data, "--output", out, *FAST[:-1], "--json")
+    assert result.exit_code == 1, result.output  # finished, with error records
+    summary = json.loads(result.stdout)  # stdout is exactly one JSON object
+    for section, keys in CONTRACT_KEYS.items():
+        assert all(k in summary[section] for k in keys), (section, summary[section].keys())
+    assert summary["job"]["rows"] == 7 and summary["job"]["rows_failed"] == 2
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    by_id = {r["id"]: r for r in written}
+    assert len(written) == 7 == len(by_id)
+    assert by_id["no-prompt"]["finish_reason"] == "error" and "prompt" in by_id["no-prompt"]["error"]
+    broken = [r for r in written if r["finish_reason"] == "error" and r["id"] != "no-prompt"][0]
+    assert "JSON" in broken["error"] and broken["text"] is None
+    for row in ROWS:
+        ok = by_id[row["id"]]
+        assert ok["error"] is None and isinstance(ok["text"], str) and ok["output_tokens"] > 0 and ok["prompt_tokens"] > 0
+    report = json.loads((tmp_path / "out.jsonl.report.json").read_text())
+    assert report["job"]["rows_ok"] == 5
+    assert (tmp_path / "out.jsonl.report.md").exists()
+
+
+@pytest.mark.real_model
+def test_parquet_and_jsonl_give_the_same_outputs_and_openai_batch_works(tmp_path):
+    jsonl = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    parquet = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), parquet)
+    openai = write_jsonl(tmp_path / "batch.jsonl", [
+        {"custom_id": r["id"], "method": "POST", "url": "/v1/completions", "body": {"model": "x", "prompt": r["prompt"]}}
+        for r in ROWS])
+    outputs = {}
+    for name, source, out in [("jsonl", jsonl, "a.jsonl"), ("parquet", parquet, "b.parquet"),
+                              ("openai", openai, "c.jsonl")]:
+        result = invoke("run", "generic", "--input", source, "--output", tmp_path / out, *FAST)
+        assert result.exit_code == 0, result.output
+        if out.endswith(".parquet"):
+            rows = pq.read_table(tmp_path / out).to_pylist()
+        else:
+            rows = [json.loads(line) for line in (tmp_path / out).read_text().splitlines()]
+        outputs[name] = {r["id"]: (r["text"], r["output_tokens"]) for r in rows}
+    assert outputs["jsonl"] == outputs["parquet"] == outputs["openai"]
+
+
+@pytest.mark.real_model
+def test_resume_of_a_finished_job_adds_nothing(tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    out = tmp_path / "out.jsonl"
+    assert invoke("run", "generic", "--input", data, "--output", out, *FAST).exit_code == 0
+    before = out.read_text()
+    result = invoke("run", "generic", "--input", data, "--output", out, *FAST, "--resume")
+    assert result.exit_code == 0 and out.read_text() == before
+    changed = invoke("run", "generic", "--input", data, "--output", out, *FAST, "--resume",
+                     "--set", "sampling.temperature=0.5")
+    assert changed.exit_code == 2
+    one_line_error(changed, "different recipe")
+
+
+def test_validate_reports_bad_rows_without_a_model(tmp_path):
+    rows = ROWS + [{"id": "x", "question": "no prompt column"}]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    result = invoke("validate", "generic", "--input", data, "--json")
+    assert result.exit_code == 1
+    summary = json.loads(result.stdout)
+    assert summary["rows"] == 6 and summary["rows_bad"] == 1
+    assert "prompt" in summary["problems"][0]["error"]
+
+
+def test_recipes_lists_and_resolves():
+    listing = invoke("recipes")
+    assert listing.exit_code == 0
+    assert all(name in listing.output for name in ("docqa", "rag", "code", "generic"))
+    shown = invoke("recipes", "docqa", "--set", "batch.size=4")
+    assert shown.exit_code == 0 and "size: 4" in shown.output and "method: snapkv" in shown.output
