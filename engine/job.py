@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import AbstractSet, Any, Callable, Iterator, Protocol
 
 from engine.config import Recipe, load_recipe
 from engine.errors import JobError, RowError
@@ -58,6 +58,9 @@ class JobOutcome:
     report_path: Path
     output_path: Path
     exit_code: int
+    # The counters behind `report`, for merging the reports of data-parallel groups (engine.parallel).
+    job_report: JobReport | None = None
+    stats: Any = None  # engine.stats.EngineStats
 
 
 def default_output_path(input_path: Path, recipe: Recipe) -> Path:
@@ -96,10 +99,25 @@ def output_manifest(recipe: Recipe, input_path: str) -> dict[str, Any]:
             "input": str(Path(input_path).resolve()), "full_recipe": full}
 
 
-def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parallel=None) -> JobOutcome:
-    """Run one job. `parallel` (engine.parallel) shards the model; None = this process alone."""
-    from engine.engine import Engine, slot_capacity
+def load_engine(recipe: Recipe, parallel=None):
+    """Load the target (and a separate draft), shard them under tensor parallelism, build the Engine."""
+    from engine.engine import Engine
     from engine.models import load_model
+
+    target = load_model(recipe.model, dtype=recipe.dtype, device=recipe.device)
+    draft = None
+    if recipe.draft.method != "none" and recipe.draft.model:
+        draft = load_model(recipe.draft.model, dtype=recipe.dtype, device=recipe.device)
+    if parallel is None:
+        return Engine(recipe, target, draft)
+    target, draft = parallel.shard(target, draft)
+    return Engine(recipe, target, draft, sync=parallel.sync, agree=parallel.agree)
+
+
+def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parallel=None) -> JobOutcome:
+    """Run one job. `parallel` (an engine.parallel.Group) shards the model, takes this group's share
+    of the rows and hands each request to the other tensor-parallel ranks; None = this process alone."""
+    from engine.engine import slot_capacity
 
     progress = progress or NoProgress()
     recipe, reader, output_path, report_path = prepare(options)
@@ -114,13 +132,8 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     writer = None if options.mode == "overwrite" else open_writer()
     t0 = time.time()
     try:
-        target = load_model(recipe.model, dtype=recipe.dtype, device=recipe.device)
-        draft = None
-        if recipe.draft.method != "none" and recipe.draft.model:
-            draft = load_model(recipe.draft.model, dtype=recipe.dtype, device=recipe.device)
-        if parallel is not None:
-            target, draft = parallel.shard(target, draft)
-        engine = Engine(recipe, target, draft, sync=parallel.sync if parallel is not None else None)
+        engine = load_engine(recipe, parallel)
+        target = engine.target_model
     except BaseException:
         if writer is not None:
             writer.close()
@@ -128,7 +141,7 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     writer = writer or open_writer()
     report = JobReport(recipe=recipe.name, model=recipe.model, input=str(options.input), output=str(output_path),
                        method=recipe.draft.method, budget=recipe.draft.budget, device=str(target.device),
-                       tp=options.tp, load_s=time.time() - t0)
+                       tp=options.tp, dp=parallel.dp if parallel is not None else 1, load_s=time.time() - t0)
     report.rows_resumed = len(writer.done_ids)
     report.resumed_failed = writer.done_errors
     report.kv_cache_bytes = engine.target.cache.nbytes + (
@@ -136,11 +149,16 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     max_len, _ = slot_capacity(recipe, target.max_context)
     builder = PromptBuilder(recipe.prompt, target.tokenizer, max_prompt_len=max_len)
     total = reader.total if options.limit is None else min(options.limit, reader.total or options.limit)
+    keep_row, skip_ids = (parallel.keeps_row, parallel.skip_ids) if parallel is not None else (None, frozenset())
+    if parallel is not None and total is not None:
+        total = parallel.share_of(total)  # this data-parallel group's rows
     with writer:
         try:
             progress.start(total, report.rows_resumed)
             report.sample(engine.stats)
-            requests = _requests(reader, recipe, builder, writer, report, options.limit)
+            requests = _requests(reader, recipe, builder, writer, report, options.limit, keep_row, skip_ids)
+            if parallel is not None:
+                requests = parallel.publish(requests)  # the other tensor-parallel ranks get each one too
             last_sample = time.time()
             for result in engine.run(requests):
                 _write_result(writer, report, result)
@@ -154,15 +172,18 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     summary = report.to_dict(engine.stats)
     summary["job"]["input_rows_total"] = reader.total
     write_report(summary, report_path)
-    return JobOutcome(summary, report_path, output_path, report.exit_code)
+    return JobOutcome(summary, report_path, output_path, report.exit_code, job_report=report, stats=engine.stats)
 
 
 def _requests(reader: InputReader, recipe: Recipe, builder: PromptBuilder, writer: OutputWriter,
-              report: JobReport, limit: int | None) -> Iterator[Request]:
+              report: JobReport, limit: int | None, keep_row: Callable[[int], bool] | None = None,
+              skip_ids: AbstractSet[str] = frozenset()) -> Iterator[Request]:
     """Input rows -> engine requests; unusable rows are written as error records on the way.
 
     Ids must be unique: a row whose id was already queued in this run is not generated twice (the
     output is keyed by id); it is counted as failed and named in the report's `duplicate_ids`.
+    Data parallel: only rows with `keep_row(index)` are this group's, and ids in `skip_ids` (already
+    in the job's merged output) are done.
     """
     id_field = recipe.input.id_field
     queued: set[str] = set()
@@ -185,8 +206,10 @@ def _requests(reader: InputReader, recipe: Recipe, builder: PromptBuilder, write
             id_is_str = isinstance(row_id, str) if id_is_str is None else id_is_str
         elif id_is_str:
             row_id = str(row_id)  # keep one id type per output (Parquet needs it)
+        if keep_row is not None and not keep_row(row.index):
+            continue  # another data-parallel group's row (the id type is still learnt from it)
         key = id_key(row_id)
-        if key in writer.done_ids:
+        if key in writer.done_ids or key in skip_ids:
             continue
         if key in queued:
             report.rows_failed += 1

@@ -52,6 +52,7 @@ class RoundRunner:
 
         t0 = time.perf_counter()
         drafts, draft_probs = self._draft(seqs, slots, lengths, pending, gamma) if gamma else ([], [])
+        self._wait(device)
         t1 = time.perf_counter()
 
         tokens = torch.stack([pending, *drafts], dim=1)  # [B, gamma + 1]
@@ -65,6 +66,7 @@ class RoundRunner:
             accepted, next_token = verify_sampling(warp(logits, self.sampling), q, draft_tokens,
                                                    [s.generator for s in seqs])
         accepted, next_token = self.sync(accepted), self.sync(next_token)
+        self._wait(device)
         t2 = time.perf_counter()
 
         accepted_list = accepted.tolist()
@@ -89,6 +91,12 @@ class RoundRunner:
         if self.compressor is not None:
             self.stats.select_s += self.compressor.timer.take()
         return draft_s, verify_s, accepted_list
+
+    @staticmethod
+    def _wait(device: torch.device) -> None:
+        """On a GPU, let queued kernels finish so the draft/verify timings (and gamma) are true."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def _draft(self, seqs, slots, lengths, pending, gamma):
         """gamma draft tokens per row: lists of [B] tokens and (when sampling) [B, vocab] probs."""

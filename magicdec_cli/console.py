@@ -44,7 +44,8 @@ class Out:
 
         self.err.print(f"[bold red]magicdec: error:[/] {escape(message)}", soft_wrap=True, highlight=False)
 
-    def table(self, title: str, rows: list[tuple[str, str]]) -> None:
+    def table(self, title: str, rows: list[tuple[str, str]], *, stdout: bool = False) -> None:
+        """A two-column table: on stderr beside progress, or on stdout when it is the command's output."""
         if not self.chatty:
             return
         table = Table(title=title, show_header=False, title_justify="left")
@@ -52,7 +53,7 @@ class Out:
         table.add_column()
         for label, value in rows:
             table.add_row(label, value)
-        self.err.print(table)
+        (self.out if stdout else self.err).print(table)
 
     def progress(self) -> "JobProgress":
         return JobProgress(self)

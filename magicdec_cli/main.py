@@ -78,7 +78,7 @@ def run(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output.")] = False,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N input rows.")] = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel processes (DeepSpeed AutoTP).")] = 1,
-    dp: Annotated[int, typer.Option("--dp", min=1, help="Data-parallel engine groups.")] = 1,
+    dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="Data-parallel engine groups, each --tp processes (default 1; under an external launcher: world size / tp).")] = None,
     quiet: QuietOpt = False,
     json_: JsonOpt = False,
 ) -> None:
@@ -93,10 +93,15 @@ def run(
                          mode="resume" if resume else "overwrite" if overwrite else "new", limit=limit, tp=tp)
     from engine import parallel
 
-    if parallel.needs_launch(tp, dp):
-        raise typer.Exit(parallel.launch(sys.argv[1:], tp=tp, dp=dp, options=options))
-    _set_threads()
-    outcome = parallel.run(options, out.progress(), tp=tp, dp=dp)
+    try:
+        if parallel.needs_launch(tp, dp):  # start tp x dp worker processes running this same command
+            raise typer.Exit(parallel.launch(sys.argv[1:], tp=tp, dp=dp, options=options))
+        _set_threads()
+        outcome = parallel.run(options, out.progress(), tp=tp, dp=dp)
+    except parallel.WorkersFailed as exc:  # a worker, or another rank of this job, stopped early
+        if exc.message:
+            out.error(exc.message)
+        raise typer.Exit(exc.exit_code)
     if outcome is None:  # a non-zero rank: rank 0 reports
         return
     summary = outcome.report
@@ -123,7 +128,7 @@ def validate(recipe: RecipeArg, input: InputOpt, set_: SetOpt = None,
     if json_:
         print(json.dumps(result))
     else:
-        out.table(f"validate: {input}", [(k, str(v)) for k, v in result.items() if k != "problems"])
+        out.table(f"validate: {input}", [(k, str(v)) for k, v in result.items() if k != "problems"], stdout=True)
         for problem in result["problems"]:
             out.info(f"[yellow]row {problem['row']}[/] (id {problem['id']}): {problem['error']}")
         if result["rows_bad"] > len(result["problems"]):
@@ -171,7 +176,38 @@ def plan(
         print(json.dumps(result, default=str))
         return
     out.table(f"plan: {recipe} on {result['hardware']['name']} (tp {tp}), B={batch}, L={context}",
-              [(k, v) for k, v in result["display"]])
+              [(k, v) for k, v in result["display"]], stdout=True)
+
+
+@app.command()
+@guarded
+def bench(
+    model: Annotated[str, typer.Option("--model", help="Model to time: a recipe model, or <name>-shape (random weights, e.g. llama-3.1-8b-shape).")] = "smollm2-135m-instruct",
+    batch: Annotated[str, typer.Option("--batch", help="Batch sizes, comma-separated.")] = "16",
+    context: Annotated[str, typer.Option("--context", help="Context lengths, comma-separated.")] = "4096",
+    methods: Annotated[str, typer.Option("--methods", help="none,streamingllm,snapkv,pqcache (any subset).")] = "none,streamingllm,snapkv,pqcache",
+    budget: Annotated[str, typer.Option("--budget", help="Draft budgets, comma-separated.")] = "512",
+    gamma: Annotated[str, typer.Option("--gamma", help="Speculation lengths, comma-separated ints and/or auto.")] = "2,3",
+    new_tokens: Annotated[int, typer.Option("--new-tokens", min=2)] = 64,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL of real text (`prompt` column); default sample_data/long.jsonl.")] = None,
+    hf: Annotated[bool, typer.Option("--hf/--no-hf", help="Also time transformers' own decode step.")] = True,
+    layers: Annotated[Optional[int], typer.Option("--layers", min=1, help="Shape models: build only this many layers.")] = None,
+    dtype: Annotated[str, typer.Option("--dtype")] = "auto",
+    device: Annotated[str, typer.Option("--device")] = "auto",
+    out: Annotated[Path, typer.Option("--out", help="Folder for bench.json, bench.md and the plots.")] = Path("bench-results"),
+) -> None:
+    """Side-by-side decode throughput: transformers, the engine, and MagicDec per method (one process, one run)."""
+    from engine.bench import Bench, BenchSpec, parse_list, write_outputs
+
+    _set_threads()
+    spec = BenchSpec(model=model, batches=parse_list(batch), contexts=parse_list(context),
+                     methods=parse_list(methods, str), budgets=parse_list(budget), gammas=parse_list(gamma),
+                     new_tokens=new_tokens, prompts=str(prompts) if prompts else None, hf=hf, layers=layers,
+                     dtype=dtype, device=device)
+    out_console = Out()
+    result = Bench(spec).run(log=out_console.info)
+    for path in write_outputs(result, out):
+        out_console.info(f"wrote {path}")
 
 
 @app.command()
@@ -187,7 +223,7 @@ def report(path: Annotated[Path, typer.Argument(help="A report JSON written by `
         raise JobError(f"{path}: cannot read report: {exc.strerror or exc}") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise JobError(f"{path}: not a magicdec report ({type(exc).__name__}: {exc})") from None
-    Out().table(f"report: {data['job'].get('output', path)}", rows)
+    Out().table(f"report: {data['job'].get('output', path)}", rows, stdout=True)
 
 
 def main() -> None:
