@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -178,7 +177,12 @@ class Bench:
 
         policy = GammaPolicy(recipe.spec.gamma, recipe.spec.gamma_max, recipe.spec.replan_every,
                              speculative=method != "none")
-        draft_steps = verify_rounds = 0
+        # Rounds in which every row was still generating ("steady"): speculative rows finish at
+        # different rounds, and the last rounds of a closed batch run with few rows; a job refills
+        # freed slots at once, so the steady rounds are what a long job sustains. The step times
+        # T_D and T_V are taken from them too, at the full batch.
+        rounds_all = steady_rounds = steady_draft_steps = 0
+        steady_tokens, steady_s, steady_draft_s, steady_verify_s = 0, 0.0, 0.0, 0.0
         active = list(seqs)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
@@ -186,12 +190,20 @@ class Bench:
         while active:
             g = policy.next_gamma()
             r0 = time.perf_counter()
+            before = stats.decode_tokens
             draft_s, verify_s, accepted = rounds.run(active, g)
             sync()
-            stats.decode_s += time.perf_counter() - r0
+            seconds = time.perf_counter() - r0
+            stats.decode_s += seconds
+            if len(active) == batch:
+                steady_rounds += 1
+                steady_tokens += stats.decode_tokens - before
+                steady_s += seconds
+                steady_draft_s += draft_s
+                steady_draft_steps += g
+                steady_verify_s += verify_s
             policy.observe(gamma=g, rows=len(active), draft_s=draft_s, verify_s=verify_s, accepted=accepted)
-            draft_steps += g
-            verify_rounds += 1
+            rounds_all += 1
             active = [s for s in active if not s.finished]
         wall = time.perf_counter() - t0
         tokens = [s.generated[1:] for s in seqs]
@@ -201,10 +213,14 @@ class Bench:
             "batch": batch, "context": context, "new_tokens": self.spec.new_tokens,
             "decode_tokens": stats.decode_tokens, "decode_s": wall,
             "decode_tokens_per_s": stats.decode_tokens / wall,
+            # While every row generates (speculative rows finish at different rounds; in a job the
+            # freed slots are refilled at once, so this is the rate a long job sustains).
+            "steady_tokens_per_s": steady_tokens / steady_s if steady_s else 0.0,
             "acceptance_rate": spec["acceptance_rate"], "mean_accepted_length": spec["mean_accepted_length"],
             "alpha": stats.token_acceptance, "mean_gamma": spec["gamma"],
-            "t_draft_ms": 1e3 * stats.draft_s / draft_steps if draft_steps else 0.0,
-            "t_verify_ms": 1e3 * stats.verify_s / verify_rounds,
+            "rounds": rounds_all, "steady_rounds": steady_rounds,
+            "t_draft_ms": 1e3 * steady_draft_s / steady_draft_steps if steady_draft_steps else 0.0,
+            "t_verify_ms": 1e3 * steady_verify_s / steady_rounds,
             "select_s": stats.select_s,
         }
         key = (batch, context)
@@ -278,7 +294,8 @@ class Bench:
                 step_bytes = linear_params(shapes) * element + batch * context * kv_bytes_per_token(shapes, element)
                 plain["bytes_per_step"] = step_bytes
                 plain["achieved_bw"] = step_bytes / (plain["t_target_ms"] / 1e3)
-                plain["bw_fraction"] = plain["achieved_bw"] / hardware["read_bw"]
+                plain["read_bw"] = read_bandwidth(self.device)  # measured now, beside the step it judges
+                plain["bw_fraction"] = plain["achieved_bw"] / plain["read_bw"]
                 if spec.hf:
                     plain["hf_step_ms"] = self.hf_step_ms(batch, context)
                     plain["engine_vs_hf"] = plain["hf_step_ms"] / plain["t_target_ms"]
@@ -289,6 +306,7 @@ class Bench:
                         for gamma in spec.gammas:
                             row = self.run_config(method, budget, gamma, batch, context)
                             row["speedup"] = row["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+                            row["steady_speedup"] = row["steady_tokens_per_s"] / plain["steady_tokens_per_s"]
                             row["t_draft_over_t_target"] = row["t_draft_ms"] / plain["t_target_ms"]
                             row["t_verify_over_t_target"] = row["t_verify_ms"] / plain["t_target_ms"]
                             row["predicted_speedup"] = self._predict(shapes, hardware, row, element)
@@ -338,25 +356,32 @@ def at_acceptance(rows: list[dict[str, Any]], alpha: float) -> list[dict[str, An
     return out
 
 
+def read_bandwidth(device: torch.device, repeats: int = 7) -> float:
+    """Bytes/s of the median of `repeats` sums of a 512 MiB float32 tensor (all threads / the GPU).
+
+    The median, not the best: on a shared VM single readings swing by 2x from one second to the next.
+    """
+    big = torch.ones(128 * 1024 * 1024, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    big.sum()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        big.sum()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return big.numel() * 4 / sorted(times)[repeats // 2]
+
+
 def measure_device(device: torch.device) -> dict[str, Any]:
-    """A hardware profile of the device the bench runs on; `read_bw` is its read bandwidth measured now
-    (the best of several sums of a 512 MiB float32 tensor), the yardstick for "% of bandwidth"."""
+    """A hardware profile of the device the bench runs on, with `read_bw`, its read bandwidth now."""
     if device.type == "cuda":
         profile = dict(hardware_profile(_gpu_profile_name()))
-        big = torch.ones(512 * 1024 * 1024 // 4, device=device)
-        big.sum()
-        torch.cuda.synchronize()
-        best = math.inf
-        for _ in range(10):
-            t0 = time.perf_counter()
-            big.sum()
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        profile["read_bw"] = big.numel() * 4 / best
         profile["name"] = torch.cuda.get_device_name()
-        return profile
-    profile = dict(hardware_profile("measure"))
-    profile["read_bw"] = profile["mem_bw"]  # measured: the best sum() of a 512 MiB tensor
+    else:
+        profile = dict(hardware_profile("measure"))
+    profile["read_bw"] = read_bandwidth(device)
     return profile
 
 
@@ -374,9 +399,11 @@ def _line(row: dict[str, Any]) -> str:
         text = f"{head} plain  {row['decode_tokens_per_s']:8.1f} tok/s  T_T {row['t_target_ms']:.1f} ms"
         if "hf_step_ms" in row:
             text += f"  transformers {row['hf_step_ms']:.1f} ms ({row['engine_vs_hf']:.2f}x)"
-        return text + f"  {row['achieved_bw'] / 1e9:.1f} GB/s ({100 * row['bw_fraction']:.0f}% of measured)"
+        return text + (f"  {row['achieved_bw'] / 1e9:.1f} GB/s ({100 * row['bw_fraction']:.0f}% of "
+                       f"{row['read_bw'] / 1e9:.1f} GB/s measured)")
     return (f"{head} b={row['budget']:<5} g={row['gamma']!s:<4} {row['decode_tokens_per_s']:8.1f} tok/s "
-            f"x{row['speedup']:.2f} (plan x{row['predicted_speedup']:.2f})  acc {row['acceptance_rate']:.2f}  "
+            f"x{row['speedup']:.2f} (steady x{row['steady_speedup']:.2f}, plan x{row['predicted_speedup']:.2f})  "
+            f"acc {row['acceptance_rate']:.2f}  "
             f"T_D/T_T {row['t_draft_over_t_target']:.2f}  T_V/T_T {row['t_verify_over_t_target']:.2f}  "
             f"same {row.get('identical_to_plain', '-')}/{row['batch']}")
 
@@ -402,20 +429,22 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("\nRandom weights: acceptance rates below are not meaningful, only the timings are.")
     plain = [r for r in rows if r["method"] == "none"]
     lines += ["", "| batch | context | engine T_T (ms) | tok/s | transformers step (ms) | engine vs transformers "
-              "| GB/s moved | % of measured bandwidth |", "|---|---|---|---|---|---|---|---|"]
+              "| GB/s moved | read bandwidth measured beside it (GB/s) | % of it |", "|---|---|---|---|---|---|---|---|---|"]
     for r in plain:
         hf = f"{r['hf_step_ms']:.1f}" if "hf_step_ms" in r else "-"
         ratio = f"{r['engine_vs_hf']:.2f}x" if "engine_vs_hf" in r else "-"
         lines.append(f"| {r['batch']} | {r['context']} | {r['t_target_ms']:.1f} | {r['decode_tokens_per_s']:.1f} | "
-                     f"{hf} | {ratio} | {r['achieved_bw'] / 1e9:.1f} | {100 * r['bw_fraction']:.0f}% |")
+                     f"{hf} | {ratio} | {r['achieved_bw'] / 1e9:.1f} | {r['read_bw'] / 1e9:.1f} | "
+                     f"{100 * r['bw_fraction']:.0f}% |")
     spec = [r for r in rows if r["method"] != "none"]
     if spec:
-        lines += ["", "| batch | context | method | budget | gamma | tok/s | speedup | plan's speedup | acceptance "
-                  "| mean accepted length | T_D/T_T | T_V/T_T | same as plain |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| batch | context | method | budget | gamma | tok/s | speedup | steady speedup | plan's speedup "
+                  "| acceptance | mean accepted length | T_D/T_T | T_V/T_T | same as plain |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in spec:
             lines.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['budget']} | {r['gamma']} | "
-                         f"{r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['predicted_speedup']:.2f}x | "
+                         f"{r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['steady_speedup']:.2f}x | "
+                         f"{r['predicted_speedup']:.2f}x | "
                          f"{r['acceptance_rate']:.2f} | {r['mean_accepted_length']:.2f} | "
                          f"{r['t_draft_over_t_target']:.2f} | {r['t_verify_over_t_target']:.2f} | "
                          f"{r.get('identical_to_plain', '-')}/{r['batch']} |")

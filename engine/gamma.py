@@ -54,7 +54,7 @@ class _Ema:
 class GammaPolicy:
     """Fixed gamma, or "auto": the cost model fed with what this job measures."""
 
-    PROBE_GAMMA = 3
+    PROBE_GAMMA = 1  # the cheapest round that measures T_D, T_V and the acceptance
 
     def __init__(self, gamma: int | str, gamma_max: int, replan_every: int, speculative: bool):
         self.fixed = None if gamma == "auto" else int(gamma)
@@ -69,7 +69,6 @@ class GammaPolicy:
         self.rounds = 0
         self.planned_at: int | None = None
         self.current = 0 if self.fixed is None else self.fixed
-        self.last_positive = min(self.PROBE_GAMMA, gamma_max)
         self.predicted_speedup = 1.0
 
     @property
@@ -94,17 +93,16 @@ class GammaPolicy:
         if 0 not in self.t_verify:  # warm-up: one plain round, then one probe round
             return 0
         if self.t_draft.value is None:
-            return self.last_positive
+            return self.PROBE_GAMMA
         since = self.rounds - self.planned_at if self.planned_at is not None else None
         if since is None or since >= self.replan_every:
             self.current, self.predicted_speedup = self.plan()
             self.planned_at, since = self.rounds, 0
-            if self.current > 0:
-                self.last_positive = self.current
         if self.replan_every >= 2 and since == self.replan_every // 2:
             # Once per period, the other choice: a plain round refreshes T_T while speculating, a
-            # speculative round refreshes T_D, T_V and the acceptance while decoding plainly.
-            return self.last_positive if self.current == 0 else 0
+            # gamma-1 round refreshes T_D, T_V and the acceptance while decoding plainly (cheap
+            # even when drafting costs more than it saves; T_V of larger gammas is extrapolated).
+            return self.PROBE_GAMMA if self.current == 0 else 0
         return self.current
 
     def verify_time(self, gamma: int) -> float:

@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,13 +141,13 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     with _quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are de-quantised fp32 now; drop the GGUF marker so the copy saves as plain safetensors.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+        # The weights are de-quantised fp32 now; drop the GGUF marker so the copy saves as plain safetensors.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        model.generation_config.save_pretrained(out)
 
 
 def load_model(spec: str, *, dtype: str = "auto", device: str = "auto") -> LoadedModel:
@@ -241,14 +242,17 @@ def _file_lock(path: Path):
 
 @contextlib.contextmanager
 def _quiet_transformers():
-    """Silence transformers' progress bars and advisory warnings while loading."""
+    """Silence transformers' progress bars and advisory warnings while loading, and keep whatever the
+    libraries it pulls in print off stdout (`--json` owns it). Loading a GGUF imports DeepSpeed through
+    transformers' integrations, and DeepSpeed's logger binds to the stdout of its import time."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
     finally:
         hf_logging.set_verbosity(level)
         hf_logging.enable_progress_bar()

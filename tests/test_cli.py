@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -127,6 +130,21 @@ def test_json_summary_has_the_contract_keys_and_bad_rows_become_error_records(tm
     report = json.loads((tmp_path / "out.jsonl.report.json").read_text())
     assert report["job"]["rows_ok"] == 5
     assert (tmp_path / "out.jsonl.report.md").exists()
+
+
+@pytest.mark.real_model
+def test_first_run_on_an_empty_model_cache_keeps_stdout_pure_json(tmp_path):
+    # Converting the packaged GGUF imports DeepSpeed through transformers, whose logger writes to the
+    # stdout of its import time: a fresh process with a fresh cache is the only honest way to see it.
+    data = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
+    env = {**os.environ, "MAGICDEC_CACHE": str(tmp_path / "cache")}
+    env.pop("DS_ACCELERATOR", None)
+    done = subprocess.run([sys.executable, "-m", "magicdec_cli.main", "run", "generic", "--input", str(data),
+                           "--output", str(tmp_path / "out.jsonl"), *FAST[:-1], "--json"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["job"]["rows_ok"] == 1, done.stdout
+    assert any((tmp_path / "cache" / "models").glob("*/model.safetensors"))  # it did convert
 
 
 @pytest.mark.real_model

@@ -137,3 +137,32 @@ def test_real_model_greedy_equals_transformers(real_model):
     eos = real_model.eos_token_ids[0]
     for prompt, result in zip(prompts, results):
         assert result.token_ids == hf_greedy(reference, prompt, 20, eos=eos)
+
+
+@pytest.mark.real_model
+def test_real_model_logits_match_transformers(real_model):
+    """The same property on the real default model: whole prompt, chunked prefill, decode steps."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(real_model.model.name_or_path, attn_implementation="sdpa").eval()
+    tokenizer = real_model.tokenizer
+    texts = ["def greet(name):\n    return 'Hello, ' + name\n\nprint(greet(", "The three primary colours are red,"]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    runner = ModelRunner(real_model, slots=2, capacity=128)
+    for slot, prompt in enumerate(prompts):
+        ids = torch.tensor(prompt)
+        with torch.no_grad():
+            want = reference(ids[None]).logits[0]
+        chunks = [runner.forward(ids[s:s + 5][None], ForwardBatch(runner.cache, [slot], [s], len(ids[s:s + 5])))[0]
+                  for s in range(0, len(prompt), 5)]
+        torch.testing.assert_close(torch.cat(chunks), want, atol=1e-4, rtol=0)
+    lengths, history = [len(p) for p in prompts], [list(p) for p in prompts]
+    for _ in range(3):
+        nxt = torch.tensor([h[-1] for h in history])  # any next token will do
+        logits = runner.forward(nxt[:, None], ForwardBatch(runner.cache, [0, 1], lengths, 1))[:, 0]
+        for b in range(2):
+            history[b].append(int(nxt[b]))
+            with torch.no_grad():
+                want = reference(torch.tensor([history[b]])).logits[0, -1]
+            torch.testing.assert_close(logits[b], want, atol=1e-4, rtol=0)
+        lengths = [n + 1 for n in lengths]

@@ -51,11 +51,12 @@ class PQCache(Compressor):
     def committed(self, slot: int, length: int) -> None:
         start = min(self.encoded[slot], length)
         if length > start:
-            with self.timer:
-                for layer in range(self.cache.layers):
-                    keys = self.split(self.cache.k[layer, slot, :, start:length])
-                    codes = nearest(keys, self.centroids[layer, slot])  # [kv_heads, subspaces, n]
-                    self.codes[layer, slot, :, start:length] = codes.permute(0, 2, 1).to(self.codes.dtype)
+            with self.timer:  # every layer at once: a round commits only a few positions
+                layers, kv_heads = self.cache.layers, self.cache.kv_heads
+                keys = self.cache.k[:, slot, :, start:length].float()  # [layers, kv_heads, n, D]
+                keys = keys.reshape(layers, kv_heads, length - start, self.subspaces, self.sub_dim)
+                codes = nearest(keys.permute(0, 1, 3, 2, 4), self.centroids[:, slot])  # [layers, kv_heads, m, n]
+                self.codes[:, slot, :, start:length] = codes.permute(0, 1, 3, 2).to(self.codes.dtype)
         self.encoded[slot] = length
 
     def release(self, slot: int) -> None:

@@ -1,0 +1,57 @@
+"""The cost model and the measured gamma policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.gamma import GammaPolicy, best_gamma, expected_tokens, relative_time
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    alpha = 0.8
+    for g in range(0, 6):
+        assert expected_tokens(g, alpha) == pytest.approx(sum(alpha ** i for i in range(g + 1)))
+    assert expected_tokens(3, 1.0) == 4
+
+
+def test_best_gamma_follows_the_costs():
+    verify = lambda g: 1.0 + 0.02 * g  # verification almost free (memory-bound target)
+    g, speedup = best_gamma(0.8, 0.1, verify, 1.0, 8)
+    assert g >= 3 and speedup > 1.8
+    assert relative_time(g, 0.8, 0.1, verify(g), 1.0) == pytest.approx(1 / speedup)
+    g, speedup = best_gamma(0.8, 0.9, lambda g: 1.5 + 0.5 * g, 1.0, 8)  # drafting as dear as decoding
+    assert g == 0 and speedup == 1.0
+
+
+def drive(policy: GammaPolicy, t_target: float, t_draft: float, t_verify_slope: float, alpha: float, rounds: int):
+    """Feed the policy synthetic timings; returns the gammas it chose."""
+    chosen = []
+    for _ in range(rounds):
+        g = policy.next_gamma()
+        chosen.append(g)
+        accepted = [min(g, round(alpha * g + 0.49))] * 8  # rows accept about alpha of their drafts
+        policy.observe(gamma=g, rows=8, draft_s=g * t_draft, verify_s=t_target + t_verify_slope * g,
+                       accepted=accepted)
+    return chosen
+
+
+def test_auto_speculates_when_it_pays_and_still_measures_plain_steps():
+    policy = GammaPolicy("auto", gamma_max=6, replan_every=8, speculative=True)
+    chosen = drive(policy, t_target=1.0, t_draft=0.1, t_verify_slope=0.05, alpha=0.9, rounds=80)
+    assert chosen[:2] == [0, GammaPolicy.PROBE_GAMMA]  # warm-up: a plain round, then a probe
+    assert max(chosen[10:]) >= 3 and chosen[10:].count(0) <= 10  # mostly speculating, deep
+    assert 0 in chosen[10:]  # an occasional plain round keeps T_T current
+    assert policy.predicted_speedup > 1.5
+
+
+def test_auto_decodes_plainly_when_drafting_costs_too_much():
+    policy = GammaPolicy("auto", gamma_max=6, replan_every=8, speculative=True)
+    chosen = drive(policy, t_target=1.0, t_draft=1.2, t_verify_slope=0.5, alpha=0.95, rounds=80)
+    later = chosen[10:]
+    assert later.count(0) >= 0.85 * len(later)  # plain decoding...
+    assert set(later) <= {0, GammaPolicy.PROBE_GAMMA} and GammaPolicy.PROBE_GAMMA in later  # ...with cheap probes
+
+
+def test_fixed_gamma_and_plain_method():
+    assert drive(GammaPolicy(3, 8, 16, speculative=True), 1, 0.1, 0.1, 0.8, 5) == [3] * 5
+    assert drive(GammaPolicy("auto", 8, 16, speculative=False), 1, 0.1, 0.1, 0.8, 5) == [0] * 5
