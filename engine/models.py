@@ -134,11 +134,20 @@ def converted_gguf_folder(gguf: Path) -> Path:
     return folder
 
 
+_DEVNULL = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logging.getLogger(__name__).info("converting %s once into %s", gguf, out)
-    with _quiet_transformers():
+    # The GGUF loader draws its own progress bar and DeepSpeed (imported on the way) warns about the
+    # accelerator: noise for a one-off step. Failures still raise; MAGICDEC_DEBUG=1 shows it all. The
+    # sink is never closed: DeepSpeed's logger keeps the stream it was imported under.
+    with contextlib.ExitStack() as quiet:
+        if os.environ.get("MAGICDEC_DEBUG") != "1":
+            quiet.enter_context(contextlib.redirect_stderr(_DEVNULL))
+        quiet.enter_context(_quiet_transformers())
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are de-quantised fp32 now; drop the GGUF marker so the copy saves as plain safetensors.
