@@ -54,15 +54,43 @@ def _kernel():
     return kernel
 
 
-@pytest.mark.parametrize("T", [1, 2, 5, 16])
-def test_fused_cpu_kernel_matches_reference(T):
+@pytest.fixture(params=["vector", "portable"])
+def kernel(request):
+    """The fused kernel with its AVX-512 task allowed, or forced onto the portable task."""
     kernel = _kernel()
+    compiled = kernel.use_vector_path(request.param == "vector")
+    if request.param == "vector" and not compiled:
+        pytest.skip("this CPU has no AVX-512: only the portable task is built")
+    yield kernel
+    kernel.use_vector_path(True)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 16])
+def test_fused_cpu_kernel_matches_reference(kernel, T):
     cache = make_cache(capacity=300)
     # Lengths around the kernel's 64-entry blocks, and a row whose new tokens start at 0.
     batch = ForwardBatch(cache, slots=[1, 4, 2, 0], starts=[0, 63, 64, 250], num_new=T)
     query = torch.randn(4, HEADS, T, D)
     out = attention.attend_cached_fused(kernel, query, cache.k[0], cache.v[0], batch, D ** -0.5)
     torch.testing.assert_close(out, expected(query, cache, batch, causal(batch)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 128])
+def test_fused_cpu_kernel_head_sizes(kernel, head_dim):
+    """Head sizes with an AVX-512 task (64, 128) and without one (16, 40: the portable task serves them)."""
+    g = torch.Generator().manual_seed(head_dim)
+    cache = KVCache(layers=1, slots=3, kv_heads=KV_HEADS, head_dim=head_dim, capacity=160, dtype=torch.float32,
+                    device="cpu")
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    batch = ForwardBatch(cache, slots=[2, 0, 1], starts=[129, 5, 70], num_new=3)
+    query = torch.randn(3, HEADS, 3, head_dim, generator=g)
+    out = attention.attend_cached_fused(kernel, query, cache.k[0], cache.v[0], batch, head_dim ** -0.5)
+    keys, values = cache.k[0][batch.slot_tensor], cache.v[0][batch.slot_tensor]
+    position = torch.arange(cache.capacity)
+    mask = position[None, None, :] <= (torch.tensor(batch.starts)[:, None] + torch.arange(3)[None, :])[..., None]
+    want = reference_attention(query, keys, values, mask, head_dim ** -0.5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 def _view(batch, n=40, seed=3):
@@ -81,15 +109,19 @@ def _view(batch, n=40, seed=3):
     return positions, valid
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, "vector", "portable"])
 @pytest.mark.parametrize("T", [1, 2])
-def test_view_attention_matches_reference(fused, T):
+def test_view_attention_matches_reference(request, fused, T):
     cache = make_cache(capacity=200)
     batch = ForwardBatch(cache, slots=[2, 0, 3], starts=[150, 20, 90], num_new=T)
     positions, valid = _view(batch)
     query = torch.randn(3, HEADS, T, D)
     if fused:
-        out = attention.attend_cached_fused(_kernel(), query, cache.k[0], cache.v[0], batch, D ** -0.5, positions, valid)
+        kernel = _kernel()
+        if not kernel.use_vector_path(fused == "vector") and fused == "vector":
+            pytest.skip("this CPU has no AVX-512: only the portable task is built")
+        request.addfinalizer(lambda: kernel.use_vector_path(True))
+        out = attention.attend_cached_fused(kernel, query, cache.k[0], cache.v[0], batch, D ** -0.5, positions, valid)
     else:
         out = attend_view(query, cache.k[0], cache.v[0], batch, positions, valid, D ** -0.5)
     group = HEADS // KV_HEADS
