@@ -27,33 +27,39 @@ def generate(engine, prompts, max_new):
     return [results[i] for i in range(len(prompts))]
 
 
-def test_logits_match_transformers_prefill_chunks_and_decode(tiny):
-    loaded, reference = tiny
-    runner = ModelRunner(loaded, slots=4, capacity=128)
-    prompts = random_prompts(3, 20, 60)
-    for slot, prompt in zip([2, 0, 3], prompts):
+def check_logits(runner, reference, prompts, slots, *, chunk, steps, next_tokens):
+    """The engine's logits against transformers' forward of the same weights (fp32, within 1e-4): each
+    prompt whole, then as a chunked prefill into its slot, then `steps` decode steps of all rows
+    together (mixed lengths in one batch), `next_tokens()` giving each step's [rows] input."""
+    for slot, prompt in zip(slots, prompts):
         ids = torch.tensor(prompt)
         with torch.no_grad():
             want = reference(ids[None]).logits[0]  # [n, vocab]
         whole = runner.forward(ids[None], ForwardBatch(runner.cache, [slot], [0], len(prompt)))[0]
         torch.testing.assert_close(whole, want, atol=1e-4, rtol=0)
         chunks = []
-        for start in range(0, len(prompt), 7):  # chunked prefill, 7 tokens at a time
-            piece = ids[start:start + 7]
+        for start in range(0, len(prompt), chunk):
+            piece = ids[start:start + chunk]
             chunks.append(runner.forward(piece[None], ForwardBatch(runner.cache, [slot], [start], len(piece)))[0])
         torch.testing.assert_close(torch.cat(chunks), want, atol=1e-4, rtol=0)
-    # Successive decode steps for the three rows together (mixed lengths in one batch).
     lengths = [len(p) for p in prompts]
     history = [list(p) for p in prompts]
-    for _ in range(5):
-        nxt = torch.randint(3, 512, (3,))
-        logits = runner.forward(nxt[:, None], ForwardBatch(runner.cache, [2, 0, 3], lengths, 1))[:, 0]
-        for b in range(3):
+    for _ in range(steps):
+        nxt = next_tokens()  # [rows]
+        logits = runner.forward(nxt[:, None], ForwardBatch(runner.cache, list(slots), lengths, 1))[:, 0]
+        for b in range(len(prompts)):
             history[b].append(int(nxt[b]))
             with torch.no_grad():
                 want = reference(torch.tensor([history[b]])).logits[0, -1]
             torch.testing.assert_close(logits[b], want, atol=1e-4, rtol=0)
         lengths = [n + 1 for n in lengths]
+
+
+def test_logits_match_transformers_prefill_chunks_and_decode(tiny):
+    loaded, reference = tiny
+    runner = ModelRunner(loaded, slots=4, capacity=128)
+    check_logits(runner, reference, random_prompts(3, 20, 60), [2, 0, 3], chunk=7, steps=5,
+                 next_tokens=lambda: torch.randint(3, 512, (3,)))
 
 
 def test_greedy_equals_transformers_generate_mixed_lengths(tiny):
@@ -141,28 +147,13 @@ def test_real_model_greedy_equals_transformers(real_model):
 
 @pytest.mark.real_model
 def test_real_model_logits_match_transformers(real_model):
-    """The same property on the real default model: whole prompt, chunked prefill, decode steps."""
+    """The same property on the real default model."""
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(real_model.model.name_or_path, attn_implementation="sdpa").eval()
-    tokenizer = real_model.tokenizer
     texts = ["def greet(name):\n    return 'Hello, ' + name\n\nprint(greet(", "The three primary colours are red,"]
-    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    prompts = [real_model.tokenizer(t)["input_ids"] for t in texts]
     runner = ModelRunner(real_model, slots=2, capacity=128)
-    for slot, prompt in enumerate(prompts):
-        ids = torch.tensor(prompt)
-        with torch.no_grad():
-            want = reference(ids[None]).logits[0]
-        chunks = [runner.forward(ids[s:s + 5][None], ForwardBatch(runner.cache, [slot], [s], len(ids[s:s + 5])))[0]
-                  for s in range(0, len(prompt), 5)]
-        torch.testing.assert_close(torch.cat(chunks), want, atol=1e-4, rtol=0)
-    lengths, history = [len(p) for p in prompts], [list(p) for p in prompts]
-    for _ in range(3):
-        nxt = torch.tensor([h[-1] for h in history])  # any next token will do
-        logits = runner.forward(nxt[:, None], ForwardBatch(runner.cache, [0, 1], lengths, 1))[:, 0]
-        for b in range(2):
-            history[b].append(int(nxt[b]))
-            with torch.no_grad():
-                want = reference(torch.tensor([history[b]])).logits[0, -1]
-            torch.testing.assert_close(logits[b], want, atol=1e-4, rtol=0)
-        lengths = [n + 1 for n in lengths]
+    g = torch.Generator().manual_seed(0)
+    check_logits(runner, reference, prompts, [1, 0], chunk=5, steps=3,
+                 next_tokens=lambda: torch.randint(0, 49152, (2,), generator=g))
