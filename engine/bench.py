@@ -25,6 +25,7 @@ import torch
 
 from engine.attention import ForwardBatch
 from engine.config import Recipe, recipe_from_dict
+from engine.draft_gemms import DraftGemms, resolve_linear_dtype
 from engine.engine import COMPRESSORS
 from engine.kv.snapkv import WindowObserver
 from engine.models import LoadedModel, load_model, model_shapes
@@ -52,6 +53,7 @@ class BenchSpec:
     layers: int | None = None  # shape models only: fewer layers (per-layer costs are what matter)
     sink: int = 16
     window: int = 32
+    draft_linear_dtypes: tuple[str, ...] = ("auto",)  # draft.linear_dtype settings, each timed
 
 
 def parse_list(text: str, cast=int) -> tuple:
@@ -126,10 +128,11 @@ class Bench:
 
     # ------------------------------------------------------------------ one configuration
 
-    def recipe(self, method: str, budget: int, gamma) -> Recipe:
+    def recipe(self, method: str, budget: int, gamma, linear_dtype: str = "auto") -> Recipe:
         return recipe_from_dict({
             "model": self.spec.model, "dtype": self.spec.dtype, "device": self.spec.device,
-            "draft": {"method": method, "budget": budget or 512, "sink": self.spec.sink, "window": self.spec.window},
+            "draft": {"method": method, "budget": budget or 512, "sink": self.spec.sink, "window": self.spec.window,
+                      "linear_dtype": linear_dtype},
             "spec": {"gamma": gamma if method != "none" else 1, "replan_every": 8},
             "sampling": {"max_new_tokens": self.spec.new_tokens}})
 
@@ -165,14 +168,20 @@ class Bench:
                        last_only=True)
         return observer.queries
 
-    def run_config(self, method: str, budget: int, gamma, batch: int, context: int) -> dict[str, Any]:
-        recipe = self.recipe(method, budget, gamma)
+    def run_config(self, method: str, budget: int, gamma, batch: int, context: int,
+                   linear_dtype: str = "auto") -> dict[str, Any]:
+        recipe = self.recipe(method, budget, gamma, linear_dtype)
         compressor = None
         if method != "none":
             compressor = COMPRESSORS[method](recipe.draft, self.runner.cache, self.runner.heads)
         seqs = self.reset(batch, context, compressor)
         stats = EngineStats()
-        rounds = RoundRunner(self.runner, self.runner if compressor else None, compressor, recipe.sampling, stats)
+        gemms, gemm_dtype = None, None
+        if compressor is not None:
+            gemm_dtype = resolve_linear_dtype(linear_dtype, self.loaded.model.dtype, self.device)
+            gemms = DraftGemms.for_model(self.loaded.model, gemm_dtype) if gemm_dtype is not None else None
+        rounds = RoundRunner(self.runner, self.runner if compressor else None, compressor, recipe.sampling, stats,
+                             draft_gemms=gemms)
         from engine.gamma import GammaPolicy
 
         policy = GammaPolicy(recipe.spec.gamma, recipe.spec.gamma_max, recipe.spec.replan_every,
@@ -211,6 +220,7 @@ class Bench:
         row = {
             "method": method, "budget": budget if method != "none" else 0, "gamma": gamma if method != "none" else 0,
             "batch": batch, "context": context, "new_tokens": self.spec.new_tokens,
+            "draft_gemms": str(gemm_dtype or self.loaded.model.dtype).replace("torch.", "") if compressor else "-",
             "decode_tokens": stats.decode_tokens, "decode_s": wall,
             "decode_tokens_per_s": stats.decode_tokens / wall,
             # While every row generates (speculative rows finish at different rounds; in a job the
@@ -301,17 +311,17 @@ class Bench:
                     plain["engine_vs_hf"] = plain["hf_step_ms"] / plain["t_target_ms"]
                 self.rows.append(plain)
                 log(_line(plain))
-                for method in [m for m in spec.methods if m != "none"]:
-                    for budget in spec.budgets:
-                        for gamma in spec.gammas:
-                            row = self.run_config(method, budget, gamma, batch, context)
-                            row["speedup"] = row["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
-                            row["steady_speedup"] = row["steady_tokens_per_s"] / plain["steady_tokens_per_s"]
-                            row["t_draft_over_t_target"] = row["t_draft_ms"] / plain["t_target_ms"]
-                            row["t_verify_over_t_target"] = row["t_verify_ms"] / plain["t_target_ms"]
-                            row["predicted_speedup"] = self._predict(shapes, hardware, row, element)
-                            self.rows.append(row)
-                            log(_line(row))
+                configs = [(m, b, g, d) for m in spec.methods if m != "none" for b in spec.budgets
+                           for d in spec.draft_linear_dtypes for g in spec.gammas]
+                for method, budget, gamma, linear_dtype in configs:
+                    row = self.run_config(method, budget, gamma, batch, context, linear_dtype)
+                    row["speedup"] = row["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+                    row["steady_speedup"] = row["steady_tokens_per_s"] / plain["steady_tokens_per_s"]
+                    row["t_draft_over_t_target"] = row["t_draft_ms"] / plain["t_target_ms"]
+                    row["t_verify_over_t_target"] = row["t_verify_ms"] / plain["t_target_ms"]
+                    row["predicted_speedup"] = self._predict(shapes, hardware, row, element)
+                    self.rows.append(row)
+                    log(_line(row))
         return {"spec": dataclasses.asdict(spec), "hardware": {k: v for k, v in hardware.items()},
                 "at_paper_acceptance": at_acceptance(self.rows, PAPER_ALPHA),
                 "device": str(self.device), "threads": torch.get_num_threads(), "prefill_s": self.prefill_s,
@@ -342,14 +352,16 @@ def at_acceptance(rows: list[dict[str, Any]], alpha: float) -> list[dict[str, An
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         if r["method"] != "none" and isinstance(r["gamma"], int):
-            groups.setdefault((r["batch"], r["context"], r["method"], r["budget"]), []).append(r)
-    for (batch, context, method, budget), runs in groups.items():
+            groups.setdefault((r["batch"], r["context"], r["method"], r["budget"], r.get("draft_gemms", "-")),
+                              []).append(r)
+    for (batch, context, method, budget, gemms), runs in groups.items():
         t_target = plain[(batch, context)]["t_target_ms"]
         t_draft = sum(r["t_draft_ms"] for r in runs) / len(runs)
         by_gamma = {r["gamma"]: r["t_verify_ms"] for r in runs}
         speedups = {g: 1 / relative_time(g, alpha, t_draft, t_v, t_target) for g, t_v in by_gamma.items()}
         best = max(speedups, key=speedups.get)
-        out.append({"batch": batch, "context": context, "method": method, "budget": budget, "alpha": alpha,
+        out.append({"batch": batch, "context": context, "method": method, "budget": budget, "draft_gemms": gemms,
+                    "alpha": alpha,
                     "t_target_ms": t_target, "t_draft_ms": t_draft, "t_draft_over_t_target": t_draft / t_target,
                     "t_verify_over_t_target": {g: t / t_target for g, t in by_gamma.items()},
                     "best_gamma": best, "speedup": speedups[best]})
@@ -401,7 +413,8 @@ def _line(row: dict[str, Any]) -> str:
             text += f"  transformers {row['hf_step_ms']:.1f} ms ({row['engine_vs_hf']:.2f}x)"
         return text + (f"  {row['achieved_bw'] / 1e9:.1f} GB/s ({100 * row['bw_fraction']:.0f}% of "
                        f"{row['read_bw'] / 1e9:.1f} GB/s measured)")
-    return (f"{head} b={row['budget']:<5} g={row['gamma']!s:<4} {row['decode_tokens_per_s']:8.1f} tok/s "
+    return (f"{head} b={row['budget']:<5} g={row['gamma']!s:<4} {row['draft_gemms']:<8} "
+            f"{row['decode_tokens_per_s']:8.1f} tok/s "
             f"x{row['speedup']:.2f} (steady x{row['steady_speedup']:.2f}, plan x{row['predicted_speedup']:.2f})  "
             f"acc {row['acceptance_rate']:.2f}  "
             f"T_D/T_T {row['t_draft_over_t_target']:.2f}  T_V/T_T {row['t_verify_over_t_target']:.2f}  "
@@ -438,11 +451,12 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{100 * r['bw_fraction']:.0f}% |")
     spec = [r for r in rows if r["method"] != "none"]
     if spec:
-        lines += ["", "| batch | context | method | budget | gamma | tok/s | speedup | steady speedup | plan's speedup "
-                  "| acceptance | mean accepted length | T_D/T_T | T_V/T_T | same as plain |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| batch | context | method | budget | draft GEMMs | gamma | tok/s | speedup | steady speedup "
+                  "| plan's speedup | acceptance | mean accepted length | T_D/T_T | T_V/T_T | same as plain |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in spec:
-            lines.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['budget']} | {r['gamma']} | "
+            lines.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['budget']} | {r['draft_gemms']} | "
+                         f"{r['gamma']} | "
                          f"{r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['steady_speedup']:.2f}x | "
                          f"{r['predicted_speedup']:.2f}x | "
                          f"{r['acceptance_rate']:.2f} | {r['mean_accepted_length']:.2f} | "
@@ -451,12 +465,12 @@ def markdown(result: dict[str, Any]) -> str:
     paper = result.get("at_paper_acceptance") or []
     if paper:
         lines += ["", f"Speedup the measured times give at the paper's acceptance ({PAPER_ALPHA}):", "",
-                  "| batch | context | method | budget | T_D/T_T | T_V(g)/T_T | best gamma | speedup |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| batch | context | method | budget | draft GEMMs | T_D/T_T | T_V(g)/T_T | best gamma | speedup |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for p in paper:
             tv = ", ".join(f"{g}: {v:.2f}" for g, v in sorted(p["t_verify_over_t_target"].items()))
             lines.append(f"| {p['batch']} | {p['context']} | {p['method']} | {p['budget']} | "
-                         f"{p['t_draft_over_t_target']:.2f} | {tv} | {p['best_gamma']} | {p['speedup']:.2f}x |")
+                         f"{p.get('draft_gemms', '-')} | {p['t_draft_over_t_target']:.2f} | {tv} | {p['best_gamma']} | {p['speedup']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -22,7 +22,7 @@ _state: dict[str, object] = {}
 log = logging.getLogger(__name__)
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -54,7 +54,7 @@ def _build():
     from engine.models import _file_lock
 
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
+    key = hashlib.sha256(source + cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"magicdec_cpu_attention_{key}"
     build_dir = cache_root() / "torch_extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)

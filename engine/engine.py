@@ -19,6 +19,7 @@ import torch
 
 from engine.attention import ForwardBatch
 from engine.config import Recipe
+from engine.draft_gemms import DraftGemms, resolve_linear_dtype
 from engine.errors import JobError
 from engine.gamma import GammaPolicy
 from engine.kv.base import Compressor
@@ -65,7 +66,16 @@ class Engine:
             else:
                 self.draft = self.target
             self.compressor = COMPRESSORS[method](recipe.draft, self.draft.cache, self.draft.heads)
-        self.rounds = RoundRunner(self.target, self.draft, self.compressor, recipe.sampling, self.stats, sync)
+        self.draft_gemms: DraftGemms | None = None
+        self.draft_gemm_dtype: torch.dtype | None = None  # what the draft's linear layers compute in
+        if self.draft is not None:
+            draft_model = (draft or target).model
+            dtype = resolve_linear_dtype(recipe.draft.linear_dtype, draft_model.dtype, self.draft.device)
+            if dtype is not None:
+                self.draft_gemms = DraftGemms.for_model(draft_model, dtype)
+            self.draft_gemm_dtype = dtype or draft_model.dtype
+        self.rounds = RoundRunner(self.target, self.draft, self.compressor, recipe.sampling, self.stats, sync,
+                                  self.draft_gemms)
         self.policy = GammaPolicy(recipe.spec.gamma, recipe.spec.gamma_max, recipe.spec.replan_every,
                                   speculative=method != "none")
         self.agree = agree or (lambda value: value)

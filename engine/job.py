@@ -142,6 +142,8 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     report = JobReport(recipe=recipe.name, model=recipe.model, input=str(options.input), output=str(output_path),
                        method=recipe.draft.method, budget=recipe.draft.budget, device=str(target.device),
                        tp=options.tp, dp=parallel.dp if parallel is not None else 1, load_s=time.time() - t0)
+    if engine.draft_gemm_dtype is not None:
+        report.draft_gemms = str(engine.draft_gemm_dtype).replace("torch.", "")
     report.rows_resumed = len(writer.done_ids)
     report.resumed_failed = writer.done_errors
     report.kv_cache_bytes = engine.target.cache.nbytes + (

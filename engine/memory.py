@@ -1,7 +1,8 @@
 """Will the job fit in memory? Checked from the model's config before any weights are loaded.
 
 The KV cache is the big allocation (slots x capacity x layers x 2 x kv_heads x head_dim x bytes,
-see `KVCache.bytes_needed`); the weights come on top. If both do not fit in what the device has
+see `KVCache.bytes_needed`); the weights come on top (and the draft's lower-precision copy of its
+linear weights, `engine.draft_gemms`, when it has one). If they do not fit in what the device has
 free, the job stops with one line that says so and names the largest `batch.size` that fits.
 This module only estimates; it allocates nothing.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import Recipe
+from engine.draft_gemms import resolve_linear_dtype
 from engine.errors import JobError
 from engine.kv.cache import KVCache
 from engine.models import model_shapes, resolve_device, resolve_dtype
@@ -54,12 +56,16 @@ def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
     device = resolve_device(recipe.device)
     dtype = resolve_dtype(recipe.dtype, device)
     element = torch.empty((), dtype=dtype).element_size()
-    models = [recipe.model] + ([recipe.draft.model] if recipe.draft.method != "none" and recipe.draft.model else [])
+    speculative = recipe.draft.method != "none"
+    models = [recipe.model] + ([recipe.draft.model] if speculative and recipe.draft.model else [])
     shapes = [model_shapes(m) for m in models]
     slots = recipe.batch.size
+    # The draft's lower-precision copy of its linear weights (engine.draft_gemms), when it has one.
+    draft_dtype = resolve_linear_dtype(recipe.draft.linear_dtype, dtype, device) if speculative else None
+    draft_copy = weight_bytes(shapes[-1], torch.empty((), dtype=draft_dtype).element_size()) // tp if draft_dtype else 0
 
     def need(n: int) -> int:
-        return sum(kv_bytes(recipe, s, n, dtype, tp) + weight_bytes(s, element) // tp for s in shapes)
+        return draft_copy + sum(kv_bytes(recipe, s, n, dtype, tp) + weight_bytes(s, element) // tp for s in shapes)
 
     total = need(slots)
     free = available_bytes(device)

@@ -33,6 +33,7 @@ class JobReport:
     device: str
     tp: int = 1
     dp: int = 1
+    draft_gemms: str = "-"  # dtype of the draft's linear layers ("-" without a draft)
     started: float = dataclasses.field(default_factory=time.time)
     load_s: float = 0.0
     rows_ok: int = 0
@@ -75,7 +76,7 @@ class JobReport:
                 "exit_code": self.exit_code,
             },
             "throughput": stats.throughput_summary(),
-            "speculative": stats.speculative_summary(self.method, self.budget),
+            "speculative": {**stats.speculative_summary(self.method, self.budget), "draft_gemms": self.draft_gemms},
             "latency": {"row_s": percentiles(self.latencies), "first_token_s": percentiles(self.first_token)},
             "memory": {"peak_bytes": peak_memory_bytes(self.device), "kv_cache_bytes": self.kv_cache_bytes},
             "hardware": hardware_summary(self.device, self.tp, self.dp),
@@ -147,7 +148,8 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("prefill", f"{th['prefill_tokens']} tokens"),
         ("decode", f"{th['decode_tokens']} tokens, {th['decode_tokens_per_s']:.1f} tokens/s"),
         ("total throughput", f"{th['total_tokens_per_s']:.1f} tokens/s"),
-        ("method", f"{sp['method']}" + (f" (budget {sp['budget']}, mean gamma {sp['gamma']:.2f})"
+        ("method", f"{sp['method']}" + (f" (budget {sp['budget']}, mean gamma {sp['gamma']:.2f}, "
+                                         f"draft GEMMs {sp.get('draft_gemms', '-')})"
                                          if sp["method"] != "none" else "")),
     ]
     if sp["method"] != "none":

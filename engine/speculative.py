@@ -10,12 +10,14 @@ decoding through the very same path. Scheduling and prefill live in `engine.engi
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 from engine.attention import ForwardBatch
 from engine.config import SamplingConfig
+from engine.draft_gemms import DraftGemms
 from engine.kv.base import Compressor
 from engine.runner import ModelRunner
 from engine.sampling import sample_rows, warp
@@ -26,9 +28,11 @@ from engine.verification import verify_greedy, verify_sampling
 
 class RoundRunner:
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, compressor: Compressor | None,
-                 sampling: SamplingConfig, stats: EngineStats, sync=None):
+                 sampling: SamplingConfig, stats: EngineStats, sync=None, draft_gemms: DraftGemms | None = None):
+        """draft_gemms: the draft model's lower-precision linear layers, switched on while drafting."""
         self.target = target
         self.draft = draft
+        self.draft_gemms = draft_gemms
         self.compressor = compressor
         self.self_speculation = draft is target
         self.sampling = sampling
@@ -51,7 +55,8 @@ class RoundRunner:
         pending = torch.tensor([s.pending_token for s in seqs], dtype=torch.long, device=device)  # [B]
 
         t0 = time.perf_counter()
-        drafts, draft_probs = self._draft(seqs, slots, lengths, pending, gamma) if gamma else ([], [])
+        with self.draft_gemms.active() if self.draft_gemms else contextlib.nullcontext():
+            drafts, draft_probs = self._draft(seqs, slots, lengths, pending, gamma) if gamma else ([], [])
         self._wait(device)
         t1 = time.perf_counter()
 

@@ -192,6 +192,7 @@ def bench(
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL of real text (`prompt` column); default sample_data/long.jsonl.")] = None,
     hf: Annotated[bool, typer.Option("--hf/--no-hf", help="Also time transformers' own decode step.")] = True,
     layers: Annotated[Optional[int], typer.Option("--layers", min=1, help="Shape models: build only this many layers.")] = None,
+    draft_linear_dtype: Annotated[str, typer.Option("--draft-linear-dtype", help="The draft's GEMMs, comma-separated settings of draft.linear_dtype (auto, same, bfloat16, ...), each timed side by side.")] = "auto",
     dtype: Annotated[str, typer.Option("--dtype")] = "auto",
     device: Annotated[str, typer.Option("--device")] = "auto",
     out: Annotated[Path, typer.Option("--out", help="Folder for bench.json, bench.md and the plots.")] = Path("bench-results"),
@@ -203,7 +204,7 @@ def bench(
     spec = BenchSpec(model=model, batches=parse_list(batch), contexts=parse_list(context),
                      methods=parse_list(methods, str), budgets=parse_list(budget), gammas=parse_list(gamma),
                      new_tokens=new_tokens, prompts=str(prompts) if prompts else None, hf=hf, layers=layers,
-                     dtype=dtype, device=device)
+                     dtype=dtype, device=device, draft_linear_dtypes=parse_list(draft_linear_dtype, str))
     out_console = Out()
     result = Bench(spec).run(log=out_console.info)
     for path in write_outputs(result, out):

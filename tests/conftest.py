@@ -19,6 +19,7 @@ def make_tiny(seed: int = 0, *, init: float = 0.3, **overrides):
     """
     from transformers import AutoModelForCausalLM
 
+    from engine import attention  # noqa: F401  (registers the "magicdec" attention implementation)
     from engine.models import LoadedModel, shape_config
 
     keys = dict(initializer_range=init, max_position_embeddings=1024)

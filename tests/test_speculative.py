@@ -21,10 +21,11 @@ GAMMA = 4
 MAX_NEW = 40
 
 
-def recipe(method: str, *, gamma=GAMMA, budget=64, temperature=0.0, size=4):
+def recipe(method: str, *, gamma=GAMMA, budget=64, temperature=0.0, size=4, linear_dtype="same"):
     return recipe_from_dict({
         "model": "tiny",
-        "draft": {"method": method, "budget": budget, "sink": 4, "window": 8, "subspaces": 4, "bits": 4},
+        "draft": {"method": method, "budget": budget, "sink": 4, "window": 8, "subspaces": 4, "bits": 4,
+                  "linear_dtype": linear_dtype},
         "spec": {"gamma": gamma}, "batch": {"size": size, "prefill_chunk": 32},
         "sampling": {"max_new_tokens": MAX_NEW, "temperature": temperature, "seed": 11},
     })
@@ -73,14 +74,16 @@ def cuts(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("linear_dtype", ["same", "bfloat16"])  # the draft's GEMMs: the target's dtype, or bf16
 @pytest.mark.parametrize("draft_kind", ["self", "separate"])
 @pytest.mark.parametrize("method", ["streamingllm", "snapkv", "pqcache"])
-def test_greedy_speculation_is_lossless(setup, cuts, method, draft_kind):
+def test_greedy_speculation_is_lossless(setup, cuts, method, draft_kind, linear_dtype):
     loaded, prompts, eos = setup
     loaded.eos_token_ids = (eos,)
     plain = run(Engine(recipe("none"), loaded), prompts)
     draft = noisy_copy(loaded, 0.005) if draft_kind == "separate" else None
-    engine = Engine(recipe(method), loaded, draft)
+    engine = Engine(recipe(method, linear_dtype=linear_dtype), loaded, draft)
+    assert (engine.draft_gemms is not None) == (linear_dtype == "bfloat16")
     cuts.clear()
     speculative = run(engine, prompts)
     assert speculative == plain
