@@ -25,8 +25,9 @@ import torch
 
 from engine.attention import ForwardBatch
 from engine.config import Recipe, recipe_from_dict
-from engine.draft_gemms import DraftGemms, resolve_linear_dtype
+from engine.draft_gemms import draft_gemms_for, gemm_dtype_name
 from engine.engine import COMPRESSORS
+from engine.errors import JobError
 from engine.kv.snapkv import WindowObserver
 from engine.models import LoadedModel, load_model, model_shapes
 from engine.plan import hardware_profile, kv_bytes_per_token, linear_params, normalize_shapes, plan, shapes_for
@@ -56,13 +57,28 @@ class BenchSpec:
     draft_linear_dtypes: tuple[str, ...] = ("auto",)  # draft.linear_dtype settings, each timed
 
 
-def parse_list(text: str, cast=int) -> tuple:
-    return tuple(cast(x) if x != "auto" else x for x in text.split(",") if x)
+def parse_list(text: str, cast=int, *, flag: str = "list", allow_auto: bool = False) -> tuple:
+    """"1,4,16" -> (1, 4, 16); a value that is not a `cast` (or "auto" where allowed) is a JobError."""
+    values = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        if allow_auto and item == "auto":
+            values.append(item)
+            continue
+        try:
+            values.append(cast(item))
+        except ValueError:
+            raise JobError(f"--{flag}: {item!r} is not {'an integer' if cast is int else 'valid'}") from None
+    if not values:
+        raise JobError(f"--{flag}: give at least one value")
+    return tuple(values)
 
 
 class Bench:
     def __init__(self, spec: BenchSpec):
         self.spec = spec
+        self._check(spec)
         self.shape_model = spec.model.endswith("-shape")
         self.loaded = self._load()
         self.device = self.loaded.device
@@ -76,6 +92,18 @@ class Bench:
         self.plain_tokens: dict[tuple[int, int], list[list[int]]] = {}
 
     # ------------------------------------------------------------------ set-up
+
+    def _check(self, spec: BenchSpec) -> None:
+        """Every flag checked before anything loads: one line (JobError), exit 2."""
+        if min(spec.batches) < 1 or min(spec.contexts) < 2:
+            raise JobError("--batch must be >= 1 and --context >= 2")
+        if spec.prompts and not Path(spec.prompts).is_file():
+            raise JobError(f"--prompts: {spec.prompts} is not a file")
+        model_shapes(spec.model)  # an unknown model or shape name is a JobError here
+        for method in spec.methods:  # every recipe this bench will build: methods, gammas, dtypes
+            for linear_dtype in spec.draft_linear_dtypes:
+                for gamma in spec.gammas:
+                    self.recipe(method, spec.budgets[0], gamma, linear_dtype)
 
     def _load(self) -> LoadedModel:
         spec = self.spec
@@ -106,7 +134,7 @@ class Bench:
         texts = [json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         stream = [t for text in texts for t in tokenizer(text)["input_ids"]]
         if len(stream) < need:
-            raise ValueError(f"{path}: {len(stream)} tokens of text, {need} needed")
+            raise JobError(f"{path}: {len(stream)} tokens of text, {need} needed for --context {need}")
         # Row i starts at a different place of the concatenated text, so rows differ.
         step = max(1, (len(stream) - need) // max(1, count - 1))
         return [stream[i * step: i * step + need] for i in range(count)]
@@ -176,10 +204,7 @@ class Bench:
             compressor = COMPRESSORS[method](recipe.draft, self.runner.cache, self.runner.heads)
         seqs = self.reset(batch, context, compressor)
         stats = EngineStats()
-        gemms, gemm_dtype = None, None
-        if compressor is not None:
-            gemm_dtype = resolve_linear_dtype(linear_dtype, self.loaded.model.dtype, self.device)
-            gemms = DraftGemms.for_model(self.loaded.model, gemm_dtype) if gemm_dtype is not None else None
+        gemms = draft_gemms_for(linear_dtype, self.runner) if compressor is not None else None
         rounds = RoundRunner(self.runner, self.runner if compressor else None, compressor, recipe.sampling, stats,
                              draft_gemms=gemms)
         from engine.gamma import GammaPolicy
@@ -220,7 +245,7 @@ class Bench:
         row = {
             "method": method, "budget": budget if method != "none" else 0, "gamma": gamma if method != "none" else 0,
             "batch": batch, "context": context, "new_tokens": self.spec.new_tokens,
-            "draft_gemms": str(gemm_dtype or self.loaded.model.dtype).replace("torch.", "") if compressor else "-",
+            "draft_gemms": gemm_dtype_name(gemms, self.runner) if compressor else "-",
             "decode_tokens": stats.decode_tokens, "decode_s": wall,
             "decode_tokens_per_s": stats.decode_tokens / wall,
             # While every row generates (speculative rows finish at different rounds; in a job the

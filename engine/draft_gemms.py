@@ -8,8 +8,8 @@ the forward is `F.linear(x, weight, bias)` exactly as `nn.Linear` computes it, s
 do not change. On a 2-core EPYC with native bf16 dot products, a batch-16 step's GEMMs take ~4x less
 time in bfloat16 than in float32 (the draft's cost there is its GEMMs, see BENCHMARKS.md).
 
-Not here: choosing when to use it (`resolve_linear_dtype`, from the recipe's `draft.linear_dtype`),
-or the draft's KV (the compressors). Layers DeepSpeed has replaced for tensor parallelism are not
+`draft_gemms_for` turns the recipe's `draft.linear_dtype` into an instance (or None); not here: the
+draft's KV (the compressors). Layers DeepSpeed has replaced for tensor parallelism are not
 `nn.Linear` and keep their own forward.
 """
 
@@ -38,6 +38,17 @@ def resolve_linear_dtype(setting: str, model_dtype: torch.dtype, device: torch.d
         return torch.bfloat16 if native and model_dtype == torch.float32 else None
     dtype = _DTYPES[setting]
     return None if dtype == model_dtype else dtype
+
+
+def draft_gemms_for(setting: str, runner) -> "DraftGemms | None":
+    """The draft GEMMs a draft `ModelRunner` should use for `draft.linear_dtype` = setting, or None."""
+    dtype = resolve_linear_dtype(setting, runner.model.dtype, runner.device)
+    return DraftGemms.for_model(runner.model, dtype) if dtype is not None else None
+
+
+def gemm_dtype_name(gemms: "DraftGemms | None", runner) -> str:
+    """What the draft's linear layers compute in, for reports: "bfloat16", "float32", ..."""
+    return str(gemms.dtype if gemms is not None else runner.model.dtype).replace("torch.", "")
 
 
 class DraftGemms:

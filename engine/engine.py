@@ -19,7 +19,7 @@ import torch
 
 from engine.attention import ForwardBatch
 from engine.config import Recipe
-from engine.draft_gemms import DraftGemms, resolve_linear_dtype
+from engine.draft_gemms import DraftGemms, draft_gemms_for
 from engine.errors import JobError
 from engine.gamma import GammaPolicy
 from engine.kv.base import Compressor
@@ -66,14 +66,9 @@ class Engine:
             else:
                 self.draft = self.target
             self.compressor = COMPRESSORS[method](recipe.draft, self.draft.cache, self.draft.heads)
-        self.draft_gemms: DraftGemms | None = None
-        self.draft_gemm_dtype: torch.dtype | None = None  # what the draft's linear layers compute in
+        self.draft_gemms: DraftGemms | None = None  # the draft's lower-precision linear layers, if any
         if self.draft is not None:
-            draft_model = (draft or target).model
-            dtype = resolve_linear_dtype(recipe.draft.linear_dtype, draft_model.dtype, self.draft.device)
-            if dtype is not None:
-                self.draft_gemms = DraftGemms.for_model(draft_model, dtype)
-            self.draft_gemm_dtype = dtype or draft_model.dtype
+            self.draft_gemms = draft_gemms_for(recipe.draft.linear_dtype, self.draft)
         self.rounds = RoundRunner(self.target, self.draft, self.compressor, recipe.sampling, self.stats, sync,
                                   self.draft_gemms)
         self.policy = GammaPolicy(recipe.spec.gamma, recipe.spec.gamma_max, recipe.spec.replan_every,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import AbstractSet, Any, Callable, Iterator, Protocol
 
 from engine.config import Recipe, load_recipe
+from engine.draft_gemms import gemm_dtype_name
 from engine.errors import JobError, RowError
 from engine.io import InputReader, OutputWriter, id_key, open_input, openai_batch_request
 from engine.memory import check_memory
@@ -142,8 +143,8 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     report = JobReport(recipe=recipe.name, model=recipe.model, input=str(options.input), output=str(output_path),
                        method=recipe.draft.method, budget=recipe.draft.budget, device=str(target.device),
                        tp=options.tp, dp=parallel.dp if parallel is not None else 1, load_s=time.time() - t0)
-    if engine.draft_gemm_dtype is not None:
-        report.draft_gemms = str(engine.draft_gemm_dtype).replace("torch.", "")
+    if engine.draft is not None:
+        report.draft_gemms = gemm_dtype_name(engine.draft_gemms, engine.draft)
     report.rows_resumed = len(writer.done_ids)
     report.resumed_failed = writer.done_errors
     report.kv_cache_bytes = engine.target.cache.nbytes + (

@@ -18,6 +18,7 @@ from engine.draft_gemms import resolve_linear_dtype
 from engine.errors import JobError
 from engine.kv.cache import KVCache
 from engine.models import model_shapes, resolve_device, resolve_dtype
+from engine.plan import linear_params
 
 HEADROOM = 0.9  # leave 10% of the free memory for activations, the allocator and the rest
 
@@ -60,9 +61,9 @@ def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
     models = [recipe.model] + ([recipe.draft.model] if speculative and recipe.draft.model else [])
     shapes = [model_shapes(m) for m in models]
     slots = recipe.batch.size
-    # The draft's lower-precision copy of its linear weights (engine.draft_gemms), when it has one.
+    # The draft's lower-precision copy of its linear layers and lm_head (engine.draft_gemms), if any.
     draft_dtype = resolve_linear_dtype(recipe.draft.linear_dtype, dtype, device) if speculative else None
-    draft_copy = weight_bytes(shapes[-1], torch.empty((), dtype=draft_dtype).element_size()) // tp if draft_dtype else 0
+    draft_copy = linear_params(shapes[-1]) * torch.empty((), dtype=draft_dtype).element_size() // tp if draft_dtype else 0
 
     def need(n: int) -> int:
         return draft_copy + sum(kv_bytes(recipe, s, n, dtype, tp) + weight_bytes(s, element) // tp for s in shapes)

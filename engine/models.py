@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -134,7 +135,9 @@ def converted_gguf_folder(gguf: Path) -> Path:
     return folder
 
 
-_DEVNULL = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+@functools.cache
+def _devnull():
+    return open(os.devnull, "w")  # noqa: SIM115 - opened once, lives as long as the process
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -146,7 +149,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     # sink is never closed: DeepSpeed's logger keeps the stream it was imported under.
     with contextlib.ExitStack() as quiet:
         if os.environ.get("MAGICDEC_DEBUG") != "1":
-            quiet.enter_context(contextlib.redirect_stderr(_DEVNULL))
+            quiet.enter_context(contextlib.redirect_stderr(_devnull()))
         quiet.enter_context(_quiet_transformers())
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

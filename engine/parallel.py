@@ -231,7 +231,8 @@ def supervise(procs: list[subprocess.Popen], *, poll_s: float = 0.1) -> int:
 
 def stop_workers(procs: list[subprocess.Popen], *, polite: bool) -> bool:
     """Stop every live worker: rank 0 gets SIGINT (it flushes its output and says so), the others
-    SIGTERM; whatever is left after STOP_GRACE_S is SIGKILLed. polite=False: SIGKILL at once.
+    SIGTERM, which `magicdec run` handles like SIGINT (each group's writer flushes its shard);
+    whatever is left after STOP_GRACE_S is SIGKILLed. polite=False: SIGKILL at once.
     Returns True if rank 0 ended by itself (with a code of its own)."""
     live = [p for p in procs if p.poll() is None]
     for rank, proc in enumerate(procs):

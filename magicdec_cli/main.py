@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -93,6 +94,9 @@ def run(
                          mode="resume" if resume else "overwrite" if overwrite else "new", limit=limit, tp=tp)
     from engine import parallel
 
+    # SIGTERM (a scheduler, or the launcher stopping the other ranks) stops a job like Ctrl-C does: the
+    # writer is closed on the way out, so rows it still buffers (Parquet parts) are kept for --resume.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if parallel.needs_launch(tp, dp):  # start tp x dp worker processes running this same command
             raise typer.Exit(parallel.launch(sys.argv[1:], tp=tp, dp=dp, options=options))
@@ -201,10 +205,11 @@ def bench(
     from engine.bench import Bench, BenchSpec, parse_list, write_outputs
 
     _set_threads()
-    spec = BenchSpec(model=model, batches=parse_list(batch), contexts=parse_list(context),
-                     methods=parse_list(methods, str), budgets=parse_list(budget), gammas=parse_list(gamma),
-                     new_tokens=new_tokens, prompts=str(prompts) if prompts else None, hf=hf, layers=layers,
-                     dtype=dtype, device=device, draft_linear_dtypes=parse_list(draft_linear_dtype, str))
+    spec = BenchSpec(model=model, batches=parse_list(batch, flag="batch"), contexts=parse_list(context, flag="context"),
+                     methods=parse_list(methods, str, flag="methods"), budgets=parse_list(budget, flag="budget"),
+                     gammas=parse_list(gamma, flag="gamma", allow_auto=True), new_tokens=new_tokens,
+                     prompts=str(prompts) if prompts else None, hf=hf, layers=layers, dtype=dtype, device=device,
+                     draft_linear_dtypes=parse_list(draft_linear_dtype, str, flag="draft-linear-dtype"))
     out_console = Out()
     result = Bench(spec).run(log=out_console.info)
     for path in write_outputs(result, out):

@@ -198,3 +198,16 @@ def test_recipes_lists_and_resolves():
     assert all(name in listing.output for name in ("docqa", "rag", "code", "generic"))
     shown = invoke("recipes", "docqa", "--set", "batch.size=4")
     assert shown.exit_code == 0 and "size: 4" in shown.output and "method: snapkv" in shown.output
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--gamma", "x"], "--gamma"), (["--batch", "0"], "--batch"), (["--dtype", "foo"], "dtype"),
+    (["--model", "foo-shape"], "foo-shape"), (["--methods", "bogus"], "draft.method"),
+    (["--draft-linear-dtype", "foo"], "draft.linear_dtype"), (["--prompts", "/nonexistent.jsonl"], "--prompts"),
+])
+def test_bench_refuses_bad_flags_before_loading_anything(tmp_path, args, fragment):
+    result = invoke("bench", "--model", "tiny-shape", "--batch", "1", "--context", "64", "--no-hf",
+                    "--out", tmp_path / "bench", *args)
+    assert result.exit_code == 2
+    one_line_error(result, fragment)
+    assert not (tmp_path / "bench").exists()

@@ -76,3 +76,30 @@ def test_half_written_last_line_is_tolerated(tmp_path):
     assert resumed.returncode == 0, err
     assert sorted(r["id"] for r in read_rows(out)) == [0, 1, 2, 3]
     assert all(line.endswith("}") for line in out.read_text().splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_sigterm_stops_like_ctrl_c_and_resume_finishes(tmp_path):
+    """A scheduler's SIGTERM unwinds the job (the Parquet writer commits the rows it buffers) instead
+    of killing it outright; --resume then completes every id exactly once."""
+    import pyarrow.parquet as pq
+
+    prompts = [f"Write one sentence about the number {i}." for i in range(12)]
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    out = tmp_path / "out.parquet"
+    job = magicdec("run", "generic", "--input", data, "--output", out, *ARGS)
+    deadline = time.time() + 240
+    while time.time() < deadline and job.poll() is None and not out.with_name(out.name + ".manifest.json").exists():
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert job.poll() is None, f"the job ended before it could be stopped: {job.communicate()}"
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 130 and "--resume" in err, (job.returncode, err)
+
+    resumed = magicdec("run", "generic", "--input", data, "--output", out, *ARGS, "--resume")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert sorted(pq.read_table(out).column("id").to_pylist()) == list(range(len(prompts)))
