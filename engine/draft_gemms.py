@@ -5,7 +5,7 @@ logits. So a draft may run its matrix multiplications in a faster, less precise 
 self-speculation the draft *is* the target's modules, so each `torch.nn.Linear` of the model gets a
 second, lower-precision copy of its weight and a forward that uses it only inside `active()`; outside,
 the forward is `F.linear(x, weight, bias)` exactly as `nn.Linear` computes it, so the target's numbers
-do not change. On a 2-core EPYC with native bf16 dot products, a batch-16 step's GEMMs take ~4x less
+do not change. On a 2-core EPYC with native bf16 dot products, a batch-16 step's GEMMs take 3.4x less
 time in bfloat16 than in float32 (the draft's cost there is its GEMMs, see BENCHMARKS.md).
 
 `draft_gemms_for` turns the recipe's `draft.linear_dtype` into an instance (or None); not here: the

@@ -1,0 +1,71 @@
+"""What one decode step's linear layers cost on this CPU, in float32 and in bfloat16.
+
+Not a test: the figures behind BENCHMARKS.md's GEMM statements. For the default model's shapes at
+M rows (the batch), it times every linear layer of one step (30 x q/k/v/o/gate/up/down + lm_head)
+with distinct weight tensors, so the weights come from memory as in a real step, in float32 and in
+bfloat16; and the fp32 GFLOP/s of a single layer repeated with warm caches. Writes JSON.
+
+    .venv/bin/python benchmarks/gemm_bench.py --rows 16 --out benchmarks/results/gemm_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# SmolLM2-135M: hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocab 49152, 30 layers.
+LAYER_SHAPES = {"q_proj": (576, 576), "k_proj": (192, 576), "v_proj": (192, 576), "o_proj": (576, 576),
+                "gate_proj": (1536, 576), "up_proj": (1536, 576), "down_proj": (576, 1536)}  # (out, in)
+LAYERS, LM_HEAD = 30, (49152, 576)
+
+
+def step_seconds(rows: int, dtype: torch.dtype, repeats: int = 3) -> float:
+    """Best time of one step's linear layers, every weight distinct (read from memory)."""
+    weights = [torch.randn(shape).to(dtype) for _ in range(LAYERS) for shape in LAYER_SHAPES.values()]
+    weights.append(torch.randn(LM_HEAD).to(dtype))
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w in weights}  # [rows, in]
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass warms up
+        start = time.perf_counter()
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def warm_gflops(rows: int, shape=(1536, 576), calls: int = 200) -> float:
+    """fp32 GFLOP/s of one layer's GEMM repeated with its weight in cache."""
+    w, x = torch.randn(shape), torch.randn(rows, shape[1])
+    F.linear(x, w)
+    start = time.perf_counter()
+    for _ in range(calls):
+        F.linear(x, w)
+    return 2 * rows * shape[0] * shape[1] * calls / (time.perf_counter() - start) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gemm_cpu.json"))
+    args = parser.parse_args()
+    fp32, bf16 = step_seconds(args.rows, torch.float32), step_seconds(args.rows, torch.bfloat16)
+    params = LAYERS * sum(o * i for o, i in LAYER_SHAPES.values()) + LM_HEAD[0] * LM_HEAD[1]
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "rows": args.rows,
+        "step_linear_ms": {"float32": 1e3 * fp32, "bfloat16": 1e3 * bf16},
+        "step_gflops_float32": 2 * args.rows * params / fp32 / 1e9,
+        "warm_gate_proj_gflops_float32": warm_gflops(args.rows),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
