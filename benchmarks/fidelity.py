@@ -73,6 +73,8 @@ def main() -> None:
                    "--set", f"sampling.max_new_tokens={args.new_tokens}"]
         t0 = time.time()
         done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        if done.returncode not in (0, 1):  # 1: the job ran, with error records (counted below)
+            sys.exit(f"magicdec run ({method}) failed with exit code {done.returncode}:\n{done.stderr}")
         summary = json.loads(done.stdout)
         produced = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
         same = 0

@@ -36,6 +36,8 @@ def main() -> None:
                 for i in range(rows):
                     handle.write(json.dumps({"id": i, "prompt": f"Row {i}: summarise the number {i * 7919}."}) + "\n")
             done = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, cwd=ROOT)
+            if done.returncode != 0:
+                sys.exit(f"validate over {rows} rows failed with exit code {done.returncode}:\n{done.stderr}")
             run = json.loads(done.stdout.strip().splitlines()[-1])
             run["file_bytes"] = path.stat().st_size
             results["runs"].append(run)

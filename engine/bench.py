@@ -100,6 +100,8 @@ class Bench:
         if spec.prompts and not Path(spec.prompts).is_file():
             raise JobError(f"--prompts: {spec.prompts} is not a file")
         model_shapes(spec.model)  # an unknown model or shape name is a JobError here
+        if spec.layers and not spec.model.endswith("-shape"):
+            raise JobError("--layers builds a random-weight model: use it with a <name>-shape --model")
         for method in spec.methods:  # every recipe this bench will build: methods, gammas, dtypes
             for linear_dtype in spec.draft_linear_dtypes:
                 for gamma in spec.gammas:

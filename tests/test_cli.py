@@ -204,6 +204,7 @@ def test_recipes_lists_and_resolves():
     (["--gamma", "x"], "--gamma"), (["--batch", "0"], "--batch"), (["--dtype", "foo"], "dtype"),
     (["--model", "foo-shape"], "foo-shape"), (["--methods", "bogus"], "draft.method"),
     (["--draft-linear-dtype", "foo"], "draft.linear_dtype"), (["--prompts", "/nonexistent.jsonl"], "--prompts"),
+    (["--model", "smollm2-135m-instruct", "--layers", "2"], "--layers"),
 ])
 def test_bench_refuses_bad_flags_before_loading_anything(tmp_path, args, fragment):
     result = invoke("bench", "--model", "tiny-shape", "--batch", "1", "--context", "64", "--no-hf",
