@@ -1,9 +1,10 @@
-"""What one decode step's linear layers cost on this CPU, in float32 and in bfloat16.
+"""What one decode step's linear layers cost on this CPU, in float32, bfloat16 and int8.
 
 Not a test: the figures behind BENCHMARKS.md's GEMM statements. For the default model's shapes at
 M rows (the batch), it times every linear layer of one step (30 x q/k/v/o/gate/up/down + lm_head)
-with distinct weight tensors, so the weights come from memory as in a real step, in float32 and in
-bfloat16; and the fp32 GFLOP/s of a single layer repeated with warm caches. Writes JSON.
+with distinct weight tensors, so the weights come from memory as in a real step, in float32, in
+bfloat16 and as the draft's int8 linear maps (`engine.draft_gemms.make_linear`, fp32 in and out);
+and the fp32 GFLOP/s of a single layer repeated with warm caches. Writes JSON.
 
     .venv/bin/python benchmarks/gemm_bench.py --rows 16 --out benchmarks/results/gemm_cpu.json
 """
@@ -18,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.draft_gemms import INT8, int8_supported, make_linear
+
 # SmolLM2-135M: hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocab 49152, 30 layers.
 LAYER_SHAPES = {"q_proj": (576, 576), "k_proj": (192, 576), "v_proj": (192, 576), "o_proj": (576, 576),
                 "gate_proj": (1536, 576), "up_proj": (1536, 576), "down_proj": (576, 1536)}  # (out, in)
@@ -26,14 +29,18 @@ LAYERS, LM_HEAD = 30, (49152, 576)
 
 def step_seconds(rows: int, dtype: torch.dtype, repeats: int = 3) -> float:
     """Best time of one step's linear layers, every weight distinct (read from memory)."""
-    weights = [torch.randn(shape).to(dtype) for _ in range(LAYERS) for shape in LAYER_SHAPES.values()]
-    weights.append(torch.randn(LM_HEAD).to(dtype))
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w in weights}  # [rows, in]
+    shapes = [shape for _ in range(LAYERS) for shape in LAYER_SHAPES.values()] + [LM_HEAD]
+    if dtype == INT8:  # the draft's int8 maps: fp32 activations in, quantised per call, fp32 out
+        maps = [(make_linear(torch.randn(shape), None, INT8), shape[1]) for shape in shapes]
+        inputs = {i: torch.randn(rows, i) for _, i in maps}  # [rows, in]
+    else:
+        maps = [((lambda x, w=torch.randn(shape).to(dtype): F.linear(x, w)), shape[1]) for shape in shapes]
+        inputs = {i: torch.randn(rows, i).to(dtype) for _, i in maps}
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass warms up
         start = time.perf_counter()
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+        for linear, width in maps:
+            linear(inputs[width])
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -54,11 +61,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gemm_cpu.json"))
     args = parser.parse_args()
     fp32, bf16 = step_seconds(args.rows, torch.float32), step_seconds(args.rows, torch.bfloat16)
+    int8 = step_seconds(args.rows, INT8) if int8_supported() else None
     params = LAYERS * sum(o * i for o, i in LAYER_SHAPES.values()) + LM_HEAD[0] * LM_HEAD[1]
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "rows": args.rows,
-        "step_linear_ms": {"float32": 1e3 * fp32, "bfloat16": 1e3 * bf16},
+        "step_linear_ms": {"float32": 1e3 * fp32, "bfloat16": 1e3 * bf16,
+                           "int8": 1e3 * int8 if int8 is not None else None},
         "step_gflops_float32": 2 * args.rows * params / fp32 / 1e9,
         "warm_gate_proj_gflops_float32": warm_gflops(args.rows),
     }

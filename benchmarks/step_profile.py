@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -23,18 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine import cpu_kernels
 from engine.attention import ForwardBatch
-from engine.models import load_model
-from engine.runner import ModelRunner
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from decode_setup import median_seconds, random_cache_runner
 
 
 def main() -> None:
@@ -46,12 +34,8 @@ def main() -> None:
     args = parser.parse_args()
     B, L = args.batch, args.context
 
-    loaded = load_model("smollm2-135m-instruct", device="cpu")
-    runner = ModelRunner(loaded, slots=B, capacity=L + 16)
-    generator = torch.Generator().manual_seed(0)
-    runner.cache.k.normal_(generator=generator)  # [layers, slots, kv_heads, capacity, head_dim]
-    runner.cache.v.normal_(generator=generator)
-    tokens = torch.randint(0, 1000, (B, 1), generator=generator)  # [B, 1]: one new token per row
+    loaded, runner, tokens = random_cache_runner(B, L)  # tokens: [B, 1], one new token per row
+    generator = torch.Generator().manual_seed(1)
 
     def step():
         runner.forward(tokens, ForwardBatch(runner.cache, list(range(B)), [L] * B, 1), last_only=True)

@@ -25,8 +25,8 @@ import torch
 
 from engine.attention import ForwardBatch
 from engine.config import Recipe, recipe_from_dict
-from engine.draft_gemms import draft_gemms_for, gemm_dtype_name
-from engine.engine import COMPRESSORS
+from engine.draft_forward import LeanDraft, draft_forward_for
+from engine.engine import COMPRESSORS, round_scratch
 from engine.errors import JobError
 from engine.kv.snapkv import WindowObserver
 from engine.models import LoadedModel, load_model, model_shapes
@@ -204,11 +204,13 @@ class Bench:
         compressor = None
         if method != "none":
             compressor = COMPRESSORS[method](recipe.draft, self.runner.cache, self.runner.heads)
+        draft_forward = draft_forward_for(linear_dtype, self.runner) if compressor is not None else None
+        if isinstance(draft_forward, LeanDraft):
+            compressor.enable_compact(extra=round_scratch(recipe), copy_committed=True)
         seqs = self.reset(batch, context, compressor)
         stats = EngineStats()
-        gemms = draft_gemms_for(linear_dtype, self.runner) if compressor is not None else None
         rounds = RoundRunner(self.runner, self.runner if compressor else None, compressor, recipe.sampling, stats,
-                             draft_gemms=gemms)
+                             draft_forward=draft_forward)
         from engine.gamma import GammaPolicy
 
         policy = GammaPolicy(recipe.spec.gamma, recipe.spec.gamma_max, recipe.spec.replan_every,
@@ -247,7 +249,8 @@ class Bench:
         row = {
             "method": method, "budget": budget if method != "none" else 0, "gamma": gamma if method != "none" else 0,
             "batch": batch, "context": context, "new_tokens": self.spec.new_tokens,
-            "draft_gemms": gemm_dtype_name(gemms, self.runner) if compressor else "-",
+            "draft_gemms": draft_forward.gemm_dtype if draft_forward else "-",
+            "draft_path": draft_forward.path if draft_forward else "-",
             "decode_tokens": stats.decode_tokens, "decode_s": wall,
             "decode_tokens_per_s": stats.decode_tokens / wall,
             # While every row generates (speculative rows finish at different rounds; in a job the

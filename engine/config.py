@@ -38,7 +38,7 @@ class DraftConfig:
     bits: int = 8  # pqcache: log2 of centroids per sub-space
     kmeans_iters: int = 6  # pqcache: Lloyd iterations at prefill
     kmeans_sample: int = 1024  # pqcache: keys sampled per head to fit the centroids
-    linear_dtype: str = "auto"  # the draft's GEMMs: auto | same | bfloat16 | float16 (see engine.draft_gemms)
+    linear_dtype: str = "auto"  # the draft's GEMMs: auto | same | bfloat16 | float16 | int8 (see engine.draft_gemms)
 
 
 @dataclass(frozen=True)
@@ -288,8 +288,8 @@ def _validate(r: Recipe, source: str) -> None:
         fail("draft.window", f"({d.window}) must not exceed draft.budget ({d.budget})")
     if d.method == "pqcache" and d.sink + d.window >= d.budget:
         fail("draft.budget", f"({d.budget}) must exceed draft.sink + draft.window ({d.sink + d.window})")
-    if d.linear_dtype not in ("auto", "same", "bfloat16", "float16", "float32"):
-        fail("draft.linear_dtype", f"must be auto, same, bfloat16, float16 or float32, got {d.linear_dtype!r}")
+    if d.linear_dtype not in ("auto", "same", "bfloat16", "float16", "float32", "int8"):
+        fail("draft.linear_dtype", f"must be auto, same, bfloat16, float16, float32 or int8, got {d.linear_dtype!r}")
     if d.pooling not in ("avgpool", "maxpool"):
         fail("draft.pooling", f"must be avgpool or maxpool, got {d.pooling!r}")
     if not 1 <= d.bits <= 12:

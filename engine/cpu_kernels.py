@@ -1,4 +1,4 @@
-"""The fused CPU attention kernel (engine/csrc/cpu_attention.cpp), compiled once per machine on first use.
+"""The fused CPU kernels (engine/csrc: attention, and the lean draft's small ops), compiled once per machine on first use.
 
 torch's C++ extension builder compiles it with the host's vector instructions (-march=native) into
 the cache folder, keyed by the source and the CPU's flags, so a shared home directory never loads a
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.models import cache_root
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_attention.cpp", "cpu_draft_ops.cpp")]
 _state: dict[str, object] = {}
 log = logging.getLogger(__name__)
 
@@ -53,12 +53,12 @@ def _build():
 
     from engine.models import _file_lock
 
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"magicdec_cpu_attention_{key}"
     build_dir = cache_root() / "torch_extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
     with _file_lock(build_dir / "build.lock"):  # data-parallel ranks may start together
-        return load_extension(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+        return load_extension(name=name, sources=[str(path) for path in SOURCES], extra_cflags=flags,
                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)

@@ -5,10 +5,16 @@ logits. So a draft may run its matrix multiplications in a faster, less precise 
 self-speculation the draft *is* the target's modules, so each `torch.nn.Linear` of the model gets a
 second, lower-precision copy of its weight and a forward that uses it only inside `active()`; outside,
 the forward is `F.linear(x, weight, bias)` exactly as `nn.Linear` computes it, so the target's numbers
-do not change. On a 2-core EPYC with native bf16 dot products, a batch-16 step's GEMMs take 3.4x less
+do not change. On a 2-core EPYC with native bf16 dot products, a batch-16 step's GEMMs take 3.2x less
 time in bfloat16 than in float32 (the draft's cost there is its GEMMs, see BENCHMARKS.md).
 
-`draft_gemms_for` turns the recipe's `draft.linear_dtype` into an instance (or None); not here: the
+"int8" is int8 weights with dynamically quantised int8 activations: each weight row (output
+channel) is quantised symmetrically with its own scale, and each call quantises its input on the fly
+(`torch.ops.quantized.linear_dynamic`, fbgemm/x86 CPUs only). With VNNI dot products it is another
+2x cheaper than bfloat16 at batch 16, for a few points of acceptance (BENCHMARKS.md).
+
+`resolve_linear_dtype` reads the recipe's `draft.linear_dtype`; `make_linear` is one low-precision
+linear map (the lean draft forward, `engine.draft_forward`, fuses several into one). Not here: the
 draft's KV (the compressors). Layers DeepSpeed has replaced for tensor parallelism are not
 `nn.Linear` and keep their own forward.
 """
@@ -16,39 +22,90 @@ draft's KV (the compressors). Layers DeepSpeed has replaced for tensor paralleli
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from engine.cpu_kernels import cpu_flags
+from engine.errors import JobError
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPUs whose bf16 GEMMs beat float32 ones
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products without 16-bit saturation
+INT8 = torch.qint8  # marks int8 weights with dynamically quantised activations
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int8": INT8}
 
 
 def resolve_linear_dtype(setting: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
     """The dtype for the draft's GEMMs, or None for "the model's own" (nothing to do).
 
-    "auto": bfloat16 when the model runs in float32 on a CPU with native bf16 dot products, else None.
+    "auto", for a float32 model on a CPU: int8 where the CPU has VNNI int8 dot products (and torch its
+    x86 quantized engine), else bfloat16 where it has native bf16 dot products; otherwise None.
     """
     if setting == "same":
         return None
+    if setting == "int8" and (device.type != "cpu" or not int8_supported()):
+        raise JobError("draft.linear_dtype: int8 needs a CPU with torch's x86/fbgemm quantized engine")
     if setting == "auto":
-        native = device.type == "cpu" and any(flag in cpu_flags().split() for flag in NATIVE_BF16_FLAGS)
-        return torch.bfloat16 if native and model_dtype == torch.float32 else None
+        if device.type != "cpu" or model_dtype != torch.float32:
+            return None
+        flags = cpu_flags().split()
+        if any(flag in flags for flag in VNNI_FLAGS) and int8_supported():
+            return INT8
+        return torch.bfloat16 if any(flag in flags for flag in NATIVE_BF16_FLAGS) else None
     dtype = _DTYPES[setting]
     return None if dtype == model_dtype else dtype
 
 
-def draft_gemms_for(setting: str, runner) -> "DraftGemms | None":
-    """The draft GEMMs a draft `ModelRunner` should use for `draft.linear_dtype` = setting, or None."""
-    dtype = resolve_linear_dtype(setting, runner.model.dtype, runner.device)
-    return DraftGemms.for_model(runner.model, dtype) if dtype is not None else None
+@functools.cache
+def int8_supported() -> bool:
+    """Whether this torch build can run dynamically quantised int8 linear layers (x86 CPUs): its
+    quantized engine is there and a tiny layer runs (torch marks these ops deprecated; if a future
+    build drops them, `auto` falls back to bfloat16)."""
+    if not any(engine in torch.backends.quantized.supported_engines for engine in ("x86", "fbgemm")):
+        return False
+    try:
+        _int8_linear(torch.ones(2, 4), None)(torch.ones(1, 4))
+    except Exception:  # noqa: BLE001 - any failure means "not available here"
+        return False
+    return True
 
 
-def gemm_dtype_name(gemms: "DraftGemms | None", runner) -> str:
-    """What the draft's linear layers compute in, for reports: "bfloat16", "float32", ..."""
-    return str(gemms.dtype if gemms is not None else runner.model.dtype).replace("torch.", "")
+def int8_reduce_range() -> bool:
+    """Without VNNI, fbgemm's u8 x s8 products can saturate 16-bit sums: it needs 7-bit activations."""
+    return not any(flag in cpu_flags().split() for flag in VNNI_FLAGS)
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """x [..., in] -> x @ weight.T + bias [..., out] computed on a `dtype` copy of weight [out, in].
+
+    The result has x's dtype. bfloat16/float16: a converted copy. int8 (`INT8`): per-output-channel
+    symmetric int8 weights, activations quantised per call by fbgemm.
+    """
+    if dtype == INT8:
+        return _int8_linear(weight, bias)
+    low_weight = weight.detach().to(dtype)  # [out, in]
+    low_bias = None if bias is None else bias.detach().to(dtype)
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(dtype), low_weight, low_bias).to(x.dtype)
+    return linear
+
+
+def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None):
+    weight = weight.detach().float()  # [out, in]
+    scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()  # [out]: one per output channel
+    zero = torch.zeros(weight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # torch flags quantized tensors as deprecated; the op is still its own
+        warnings.simplefilter("ignore", UserWarning)
+        quantized = torch.quantize_per_channel(weight, scales, zero, 0, INT8)
+    packed = torch.ops.quantized.linear_prepack(quantized, None if bias is None else bias.detach().float())
+    reduce_range = int8_reduce_range()
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x.float(), packed, reduce_range).to(x.dtype)
+    return linear
 
 
 class DraftGemms:
@@ -61,11 +118,9 @@ class DraftGemms:
         self.bytes = 0
         for module in model.modules():
             if type(module) is torch.nn.Linear:  # exactly nn.Linear: not DeepSpeed's sharded layers
-                weight = module.weight.detach().to(dtype)  # [out, in]
-                bias = None if module.bias is None else module.bias.detach().to(dtype)
-                module.forward = self._forward(module, weight, bias)
+                module.forward = self._forward(module, make_linear(module.weight, module.bias, dtype))
                 self.layers += 1
-                self.bytes += weight.numel() * weight.element_size()
+                self.bytes += module.weight.numel() * dtype.itemsize
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, dtype: torch.dtype) -> "DraftGemms":
@@ -76,10 +131,10 @@ class DraftGemms:
             model._magicdec_draft_gemms = existing
         return existing
 
-    def _forward(self, module: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None):
+    def _forward(self, module: torch.nn.Linear, low_precision):
         def forward(x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
             if self.on:
-                return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+                return low_precision(x)
             return F.linear(x, module.weight, module.bias)
         return forward
 

@@ -19,7 +19,7 @@ import torch
 
 from engine.attention import ForwardBatch
 from engine.config import Recipe
-from engine.draft_gemms import DraftGemms, draft_gemms_for
+from engine.draft_forward import LeanDraft, ModuleDraft, draft_forward_for
 from engine.errors import JobError
 from engine.gamma import GammaPolicy
 from engine.kv.base import Compressor
@@ -36,12 +36,18 @@ from engine.stats import EngineStats
 COMPRESSORS: dict[str, type[Compressor]] = {"streamingllm": StreamingLLM, "snapkv": SnapKV, "pqcache": PQCache}
 
 
+def round_scratch(recipe: Recipe) -> int:
+    """Positions one round may write past a row's committed length: gamma_max + 1 (0 without a draft)."""
+    if recipe.draft.method == "none":
+        return 0
+    gamma = recipe.spec.gamma
+    return (gamma if isinstance(gamma, int) else recipe.spec.gamma_max) + 1
+
+
 def slot_capacity(recipe: Recipe, max_context: int) -> tuple[int, int]:
     """(max_len, physical capacity): max_len tokens per row, plus scratch for one round's drafts."""
     max_len = recipe.batch.max_len or max_context
-    spec = recipe.draft.method != "none"
-    gamma_max = (recipe.spec.gamma if isinstance(recipe.spec.gamma, int) else recipe.spec.gamma_max) if spec else 0
-    return max_len, max_len + gamma_max + 1
+    return max_len, max_len + max(round_scratch(recipe), 1)
 
 
 class Engine:
@@ -66,11 +72,13 @@ class Engine:
             else:
                 self.draft = self.target
             self.compressor = COMPRESSORS[method](recipe.draft, self.draft.cache, self.draft.heads)
-        self.draft_gemms: DraftGemms | None = None  # the draft's lower-precision linear layers, if any
+        self.draft_forward: LeanDraft | ModuleDraft | None = None  # the draft step (its GEMM dtype, its path)
         if self.draft is not None:
-            self.draft_gemms = draft_gemms_for(recipe.draft.linear_dtype, self.draft)
+            self.draft_forward = draft_forward_for(recipe.draft.linear_dtype, self.draft)
+            if isinstance(self.draft_forward, LeanDraft):  # it reads StreamingLLM/SnapKV views from a compact store
+                self.compressor.enable_compact(extra=round_scratch(recipe), copy_committed=self.draft is self.target)
         self.rounds = RoundRunner(self.target, self.draft, self.compressor, recipe.sampling, self.stats, sync,
-                                  self.draft_gemms)
+                                  self.draft_forward)
         self.policy = GammaPolicy(recipe.spec.gamma, recipe.spec.gamma_max, recipe.spec.replan_every,
                                   speculative=method != "none")
         self.agree = agree or (lambda value: value)

@@ -401,7 +401,9 @@ class OutputWriter:
             try:
                 with pq.ParquetFile(source) as pf:
                     id_type = pf.schema_arrow.field("id").type
-                    if not pa.types.is_null(id_type):
+                    # An empty output (a job stopped before its first row) has the default schema's
+                    # string ids: only rows decide what type the ids are.
+                    if pf.metadata.num_rows and not pa.types.is_null(id_type):
                         kind = "int" if pa.types.is_integer(id_type) else \
                             "str" if pa.types.is_string(id_type) else None
                         self._check_id_type(kind, f"{source.name} has ids of type {id_type}")
@@ -493,7 +495,8 @@ class OutputWriter:
             shutil.rmtree(self.parts_dir)
 
     def _merge(self) -> None:
-        sources = self._sources()
+        # Sources without rows (an output left by a job stopped before its first row) type nothing.
+        sources = [s for s in self._sources() if pq.read_metadata(s).num_rows]
         hint = self.schema_hint if self.schema_hint is not None else DEFAULT_OUTPUT_SCHEMA
         schema = _unified_schema([pq.read_schema(s) for s in sources], hint)
         tmp = self.path.with_name(self.path.name + ".tmp")

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import AbstractSet, Any, Callable, Iterator, Protocol
 
 from engine.config import Recipe, load_recipe
-from engine.draft_gemms import gemm_dtype_name
 from engine.errors import JobError, RowError
 from engine.io import InputReader, OutputWriter, id_key, open_input, openai_batch_request
 from engine.memory import check_memory
@@ -144,11 +143,12 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
                        method=recipe.draft.method, budget=recipe.draft.budget, device=str(target.device),
                        tp=options.tp, dp=parallel.dp if parallel is not None else 1, load_s=time.time() - t0)
     if engine.draft is not None:
-        report.draft_gemms = gemm_dtype_name(engine.draft_gemms, engine.draft)
+        report.draft_gemms = engine.draft_forward.gemm_dtype
     report.rows_resumed = len(writer.done_ids)
     report.resumed_failed = writer.done_errors
     report.kv_cache_bytes = engine.target.cache.nbytes + (
-        engine.draft.cache.nbytes if engine.draft is not None and engine.draft is not engine.target else 0)
+        engine.draft.cache.nbytes if engine.draft is not None and engine.draft is not engine.target else 0) + (
+        engine.compressor.compact.nbytes if engine.compressor is not None and engine.compressor.compact else 0)
     max_len, _ = slot_capacity(recipe, target.max_context)
     builder = PromptBuilder(recipe.prompt, target.tokenizer, max_prompt_len=max_len)
     total = reader.total if options.limit is None else min(options.limit, reader.total or options.limit)

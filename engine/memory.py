@@ -2,7 +2,8 @@
 
 The KV cache is the big allocation (slots x capacity x layers x 2 x kv_heads x head_dim x bytes,
 see `KVCache.bytes_needed`); the weights come on top (and the draft's lower-precision copy of its
-linear weights, `engine.draft_gemms`, when it has one). If they do not fit in what the device has
+linear weights, `engine.draft_gemms`, when it has one, and the lean CPU draft's compact bf16 store of
+its StreamingLLM/SnapKV view, `engine.kv.compact`). If they do not fit in what the device has
 free, the job stops with one line that says so and names the largest `batch.size` that fits.
 This module only estimates; it allocates nothing.
 """
@@ -17,6 +18,7 @@ from engine.config import Recipe
 from engine.draft_gemms import resolve_linear_dtype
 from engine.errors import JobError
 from engine.kv.cache import KVCache
+from engine.kv.compact import CompactStore
 from engine.models import model_shapes, resolve_device, resolve_dtype
 from engine.plan import linear_params
 
@@ -43,6 +45,19 @@ def weight_bytes(shapes: dict, element: int) -> int:
     return (shapes["layers"] * per_layer + embeddings) * element
 
 
+def compact_bytes(recipe: Recipe, shapes: dict, slots: int, device: torch.device) -> int:
+    """The lean CPU draft's compact store (StreamingLLM, SnapKV), counted whenever it may be used."""
+    from engine.engine import round_scratch
+
+    d = recipe.draft
+    if device.type != "cpu" or d.method not in ("streamingllm", "snapkv"):
+        return 0
+    kept = min(d.sink, d.budget) if d.method == "streamingllm" else max(d.budget - d.window, 0)
+    return CompactStore.bytes_needed(layers=shapes["layers"], slots=slots, kv_heads=shapes["kv_heads"],
+                                     head_dim=shapes["head_dim"], kept=kept, budget=d.budget,
+                                     extra=round_scratch(recipe))
+
+
 def kv_bytes(recipe: Recipe, shapes: dict, slots: int, dtype: torch.dtype, tp: int) -> int:
     from engine.engine import slot_capacity
 
@@ -63,10 +78,11 @@ def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
     slots = recipe.batch.size
     # The draft's lower-precision copy of its linear layers and lm_head (engine.draft_gemms), if any.
     draft_dtype = resolve_linear_dtype(recipe.draft.linear_dtype, dtype, device) if speculative else None
-    draft_copy = linear_params(shapes[-1]) * torch.empty((), dtype=draft_dtype).element_size() // tp if draft_dtype else 0
+    draft_copy = linear_params(shapes[-1]) * draft_dtype.itemsize // tp if draft_dtype else 0
 
     def need(n: int) -> int:
-        return draft_copy + sum(kv_bytes(recipe, s, n, dtype, tp) + weight_bytes(s, element) // tp for s in shapes)
+        return (draft_copy + compact_bytes(recipe, shapes[-1], n, device)
+                + sum(kv_bytes(recipe, s, n, dtype, tp) + weight_bytes(s, element) // tp for s in shapes))
 
     total = need(slots)
     free = available_bytes(device)

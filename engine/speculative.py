@@ -10,14 +10,12 @@ decoding through the very same path. Scheduling and prefill live in `engine.engi
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
 from engine.attention import ForwardBatch
 from engine.config import SamplingConfig
-from engine.draft_gemms import DraftGemms
 from engine.kv.base import Compressor
 from engine.runner import ModelRunner
 from engine.sampling import sample_rows, warp
@@ -28,11 +26,12 @@ from engine.verification import verify_greedy, verify_sampling
 
 class RoundRunner:
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, compressor: Compressor | None,
-                 sampling: SamplingConfig, stats: EngineStats, sync=None, draft_gemms: DraftGemms | None = None):
-        """draft_gemms: the draft model's lower-precision linear layers, switched on while drafting."""
+                 sampling: SamplingConfig, stats: EngineStats, sync=None, draft_forward=None):
+        """draft_forward: the draft step, (tokens [B, T], ForwardBatch) -> last-token logits [B, vocab]
+        (`engine.draft_forward`); by default transformers' forward of the draft model."""
         self.target = target
         self.draft = draft
-        self.draft_gemms = draft_gemms
+        self.draft_forward = draft_forward or (lambda tokens, batch: draft.forward(tokens, batch, last_only=True)[:, -1])
         self.compressor = compressor
         self.self_speculation = draft is target
         self.sampling = sampling
@@ -55,8 +54,7 @@ class RoundRunner:
         pending = torch.tensor([s.pending_token for s in seqs], dtype=torch.long, device=device)  # [B]
 
         t0 = time.perf_counter()
-        with self.draft_gemms.active() if self.draft_gemms else contextlib.nullcontext():
-            drafts, draft_probs = self._draft(seqs, slots, lengths, pending, gamma) if gamma else ([], [])
+        drafts, draft_probs = self._draft(seqs, slots, lengths, pending, gamma) if gamma else ([], [])
         self._wait(device)
         t1 = time.perf_counter()
 
@@ -119,7 +117,7 @@ class RoundRunner:
             width = current.shape[1]
             ends = [s + width for s in starts]
             batch = ForwardBatch(self.draft.cache, slots, starts, width, view=self.compressor.view(slots, ends))
-            logits = self.draft.forward(current, batch, last_only=True)[:, -1]  # [B, vocab]
+            logits = self.draft_forward(current, batch)  # [B, vocab]
             token, p = self.choose(logits, seqs)
             drafts.append(token)
             if p is not None:

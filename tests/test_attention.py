@@ -139,6 +139,29 @@ def test_view_attention_matches_reference(request, fused, T):
         torch.testing.assert_close(out[:, :, heads], ref[:, :, heads], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3])
+def test_fused_kernel_over_a_compact_store_matches_reference(kernel, dtype, T):
+    """Every row of a small store, entry i holding the position listed for it (-1: empty), K/V in
+    float32 or bfloat16 (the reference reads the same rounded values)."""
+    g = torch.Generator().manual_seed(T)
+    B, S = 3, 150  # entries cross the kernel's 64-entry blocks
+    store = make_cache(slots=4, capacity=S, dtype=dtype, seed=T)
+    slots, ends = torch.tensor([2, 0, 3]), torch.tensor([400, 90, 151])
+    entry_pos = torch.stack([torch.randperm(int(e), generator=g)[:S] if e >= S else
+                             torch.cat([torch.randperm(int(e), generator=g), torch.full((S - int(e),), -1)])
+                             for e in ends])  # [B, S], distinct positions per row
+    entry_pos[torch.rand(B, S, generator=g) < 0.2] = -1
+    query = torch.randn(B, HEADS, T, D, generator=g)
+    q = (query * D ** -0.5).reshape(B, KV_HEADS, (HEADS // KV_HEADS) * T, D)
+    out = kernel.attend_entries(q, store.k[0], store.v[0], slots, ends, T, entry_pos)
+    out = out.view(B, HEADS, T, D).transpose(1, 2)
+    last = ends[:, None] - T + torch.arange(T)[None, :]  # [B, T]: each new token's position
+    mask = (entry_pos[:, None, :] >= 0) & (entry_pos[:, None, :] <= last[..., None])  # [B, T, S]
+    want = reference_attention(query, store.k[0][slots].float(), store.v[0][slots].float(), mask, D ** -0.5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 def test_cache_write_lands_at_each_rows_positions():
     cache = make_cache()
     batch = ForwardBatch(cache, slots=[4, 1], starts=[10, 3], num_new=2)

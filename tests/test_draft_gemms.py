@@ -1,14 +1,17 @@
 """The draft's lower-precision GEMMs: off, the model computes exactly as before; on, each linear layer
-computes F.linear in the low dtype; `auto` picks bf16 only where the CPU has native bf16 dot products."""
+computes F.linear in the low dtype (int8: held to a brute-force quantised product); `auto` picks int8
+where the CPU has VNNI, else bf16 where it has native bf16 dot products, else nothing."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import make_tiny
 from engine import draft_gemms
 from engine.draft_gemms import DraftGemms, resolve_linear_dtype
+from engine.errors import JobError
 
 
 def test_outside_active_the_model_is_bit_for_bit_unchanged():
@@ -41,8 +44,11 @@ def test_each_linear_computes_in_the_low_dtype_when_active():
     assert DraftGemms.for_model(model, torch.bfloat16) is gemms  # shared per model
 
 
-def test_auto_uses_bf16_only_for_float32_on_cpus_with_native_bf16(monkeypatch):
+def test_auto_uses_int8_or_bf16_only_for_float32_on_cpus_with_native_dot_products(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(draft_gemms, "cpu_flags", lambda: "flags : fpu sse2 avx512f avx512_bf16 avx512_vnni")
+    assert resolve_linear_dtype("auto", torch.float32, cpu) == (draft_gemms.INT8 if draft_gemms.int8_supported()
+                                                               else torch.bfloat16)
     monkeypatch.setattr(draft_gemms, "cpu_flags", lambda: "flags : fpu sse2 avx512f avx512_bf16")
     assert resolve_linear_dtype("auto", torch.float32, cpu) == torch.bfloat16
     assert resolve_linear_dtype("auto", torch.bfloat16, cpu) is None
@@ -52,3 +58,32 @@ def test_auto_uses_bf16_only_for_float32_on_cpus_with_native_bf16(monkeypatch):
     assert resolve_linear_dtype("same", torch.float32, cpu) is None
     assert resolve_linear_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
     assert resolve_linear_dtype("bfloat16", torch.bfloat16, cuda) is None  # already the model's dtype
+    with pytest.raises(JobError, match="draft.linear_dtype: int8"):
+        resolve_linear_dtype("int8", torch.float32, cuda)
+
+
+def brute_force_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The int8 rule written out: weights symmetric per output channel, the input asymmetric uint8 per
+    call (scale and zero point as torch chooses them), integer products, one rescale."""
+    w_scale = weight.abs().amax(dim=1) / 127  # [out]
+    w_q = torch.round(weight / w_scale[:, None]).clamp(-128, 127)  # [out, in]
+    reduce_range = draft_gemms.int8_reduce_range()  # 7-bit activations on CPUs without VNNI
+    x_scale, x_zero = torch._choose_qparams_per_tensor(x, reduce_range)
+    x_q = torch.clamp(torch.round(x / x_scale) + x_zero, 0, 127 if reduce_range else 255)  # [M, in]
+    acc = (x_q - x_zero).double() @ w_q.double().T  # [M, out], exact integers
+    return (acc * x_scale * w_scale.double()[None, :]).float() + bias
+
+
+def test_int8_linear_follows_the_quantisation_rule():
+    if not draft_gemms.int8_supported():
+        pytest.skip("this torch build has no x86/fbgemm quantized engine")
+    layer = torch.nn.Linear(96, 40)
+    x = torch.randn(7, 96)
+    with torch.no_grad():
+        got = draft_gemms.make_linear(layer.weight, layer.bias, draft_gemms.INT8)(x)
+        want = brute_force_int8_linear(x, layer.weight, layer.bias)
+        exact = layer(x)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+    assert not torch.allclose(got, exact, rtol=1e-5, atol=1e-5)  # quantised for real, yet close to fp32
+    assert (got - exact).abs().max() < 0.05 * exact.abs().max()

@@ -288,6 +288,18 @@ def test_resume_skips_done_ids_and_appends(tmp_path):
     assert writer.rows_written == 1
 
 
+@pytest.mark.parametrize("first_id", [0, "a"])
+def test_parquet_resume_after_a_job_stopped_before_its_first_row(tmp_path, first_id):
+    """The stopped job leaves an empty Parquet file (default schema, string ids); the resumed job's
+    ids, integers or strings, decide the type."""
+    out = tmp_path / "out.parquet"
+    OutputWriter(out, mode="new", manifest=MANIFEST).close()
+    assert out.exists() and pq.read_table(out).num_rows == 0
+    with OutputWriter(out, mode="resume", manifest=MANIFEST) as writer:
+        writer.write(out_row(first_id))
+    assert pq.read_table(out).column("id").to_pylist() == [first_id]
+
+
 def test_resume_truncates_half_written_last_line(tmp_path):
     out = tmp_path / "out.jsonl"
     with OutputWriter(out, mode="new", manifest=MANIFEST) as writer:

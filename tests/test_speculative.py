@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import make_tiny, random_prompts
+from engine import draft_forward
 from engine.config import recipe_from_dict
 from engine.engine import Engine
 from engine.errors import JobError
@@ -74,16 +75,28 @@ def cuts(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("linear_dtype", ["same", "bfloat16"])  # the draft's GEMMs: the target's dtype, or bf16
+# The draft step: transformers' forward (any model) or the lean one (engine.draft_forward), with its
+# GEMMs in the target's dtype, bf16 or int8.
+DRAFT_STEPS = [("transformers", "same"), ("transformers", "bfloat16"), ("lean", "bfloat16"), ("lean", "int8")]
+
+
+@pytest.mark.parametrize("path,linear_dtype", DRAFT_STEPS, ids=["-".join(s) for s in DRAFT_STEPS])
 @pytest.mark.parametrize("draft_kind", ["self", "separate"])
 @pytest.mark.parametrize("method", ["streamingllm", "snapkv", "pqcache"])
-def test_greedy_speculation_is_lossless(setup, cuts, method, draft_kind, linear_dtype):
+def test_greedy_speculation_is_lossless(setup, cuts, monkeypatch, method, draft_kind, path, linear_dtype):
     loaded, prompts, eos = setup
     loaded.eos_token_ids = (eos,)
     plain = run(Engine(recipe("none"), loaded), prompts)
     draft = noisy_copy(loaded, 0.005) if draft_kind == "separate" else None
+    if path == "transformers":
+        monkeypatch.setattr(draft_forward, "supports", lambda *args: False)
+    elif not draft_forward.supports(loaded.model, torch.float32, loaded.device):
+        pytest.skip("the lean draft forward needs the compiled CPU attention kernel")
     engine = Engine(recipe(method, linear_dtype=linear_dtype), loaded, draft)
-    assert (engine.draft_gemms is not None) == (linear_dtype == "bfloat16")
+    assert engine.draft_forward.path == path
+    assert engine.draft_forward.gemm_dtype == ("float32" if linear_dtype == "same" else linear_dtype)
+    # The lean draft reads StreamingLLM and SnapKV views from its compact bf16 store.
+    assert (engine.compressor.compact is not None) == (path == "lean" and method != "pqcache")
     cuts.clear()
     speculative = run(engine, prompts)
     assert speculative == plain

@@ -17,6 +17,7 @@ import torch
 
 from engine.config import DraftConfig
 from engine.kv.cache import KVCache
+from engine.kv.compact import CompactStore
 
 
 def compose_view(kept: torch.Tensor, kept_count: torch.Tensor, kept_end: torch.Tensor,
@@ -66,6 +67,7 @@ class Compressor(ABC):
 
     name = "base"
     observe_window = 0  # how many trailing prompt queries the prefill must hand over (SnapKV)
+    compact: CompactStore | None = None  # the draft's own bf16 store, when enabled (`enable_compact`)
 
     def __init__(self, config: DraftConfig, cache: KVCache, num_heads: int):
         self.config = config
@@ -74,14 +76,36 @@ class Compressor(ABC):
         self.num_heads = num_heads  # query heads (local to this rank under tensor parallelism)
         self.timer = SelectionTimer()
 
+    @property
+    def kept_entries(self) -> int:
+        """Entries a compact store reserves for kept positions; 0: this method has no compact store
+        (its kept part depends on the query)."""
+        return 0
+
+    def enable_compact(self, *, extra: int, copy_committed: bool) -> bool:
+        """Keep the draft's view in a `CompactStore` (before any prefill); False if the method cannot.
+
+        extra: the most positions a round writes past the committed length (gamma_max + 1);
+        copy_committed: True for self-speculation (committed K/V come from the target cache).
+        """
+        if not self.kept_entries:
+            return False
+        self.compact = CompactStore(self.cache, kept=self.kept_entries, budget=self.budget, extra=extra,
+                                    copy_committed=copy_committed, sinks=self.name == "streamingllm")
+        return True
+
     def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None) -> None:
         """The slot's prompt is cached. observed: [layers, heads, window, head_dim] or None."""
 
     def committed(self, slot: int, length: int) -> None:
         """The slot now has `length` committed positions (after a round or a rollback)."""
+        if self.compact is not None:
+            self.compact.copy_committed(slot, length)
 
     def release(self, slot: int) -> None:
         """The slot's sequence finished."""
+        if self.compact is not None:
+            self.compact.release(slot)
 
     @abstractmethod
     def view(self, slots: list[int], ends: list[int]):
@@ -92,13 +116,21 @@ class FixedKeptView:
     """A view whose kept part does not depend on the query: StreamingLLM and SnapKV."""
 
     def __init__(self, kept_for_layer, kept_count: torch.Tensor, kept_end: torch.Tensor,
-                 ends: torch.Tensor, budget: int, timer: SelectionTimer, layer_invariant: bool):
+                 ends: torch.Tensor, budget: int, timer: SelectionTimer, layer_invariant: bool,
+                 slots: torch.Tensor | None = None, compact: CompactStore | None = None):
         self.kept_for_layer = kept_for_layer  # layer -> [B, kv_heads, K]
         self.kept_count, self.kept_end, self.ends = kept_count, kept_end, ends
         self.budget = budget
         self.timer = timer
         self.layer_invariant = layer_invariant
         self._cached = None
+        self.slots = slots  # [B], with a compact store
+        self.compact = compact  # the same view held in the draft's own store (read by the lean forward)
+
+    def compact_entries(self) -> torch.Tensor:
+        """The position each compact-store entry shows each row (-1: hidden): [B, S]."""
+        with self.timer:
+            return self.compact.visible(self.slots, self.ends, self.kept_count, self.kept_end)
 
     def select(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.layer_invariant and self._cached is not None:

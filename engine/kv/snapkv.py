@@ -36,15 +36,21 @@ class SnapKV(Compressor):
         count = min(self.keep, max(region, 0))
         self.kept_end[slot] = max(region, 0)
         self.kept_count[slot] = count
-        if count == 0:
-            return
-        with self.timer:
-            for layer in range(self.cache.layers):
-                keys = self.cache.k[layer, slot, :, :prompt_len]  # [kv_heads, prompt_len, D]
-                scores = window_scores(observed[layer], keys, prompt_len)[:, :region]  # [kv_heads, region]
-                pooled = pool_scores(scores, self.config.kernel_size, self.config.pooling)
-                top = pooled.topk(count, dim=-1).indices.sort(dim=-1).values  # [kv_heads, count]
-                self.kept[layer, slot, :, :count] = top
+        if count:
+            with self.timer:
+                for layer in range(self.cache.layers):
+                    keys = self.cache.k[layer, slot, :, :prompt_len]  # [kv_heads, prompt_len, D]
+                    scores = window_scores(observed[layer], keys, prompt_len)[:, :region]  # [kv_heads, region]
+                    pooled = pool_scores(scores, self.config.kernel_size, self.config.pooling)
+                    top = pooled.topk(count, dim=-1).indices.sort(dim=-1).values  # [kv_heads, count]
+                    self.kept[layer, slot, :, :count] = top
+        if self.compact is not None:
+            recent_start = max(region, 0, prompt_len - (self.budget - count))
+            self.compact.fill(slot, self.kept[:, slot, :, :count], recent_start, prompt_len)
+
+    @property
+    def kept_entries(self) -> int:
+        return self.keep
 
     def view(self, slots: list[int], ends: list[int]) -> FixedKeptView:
         device = self.cache.device
@@ -52,7 +58,8 @@ class SnapKV(Compressor):
         ends_t = torch.tensor(ends, dtype=torch.long, device=device)
         return FixedKeptView(lambda layer: self.kept[layer].index_select(0, index),
                              self.kept_count.index_select(0, index), self.kept_end.index_select(0, index),
-                             ends_t, self.budget, self.timer, layer_invariant=False)
+                             ends_t, self.budget, self.timer, layer_invariant=False, slots=index,
+                             compact=self.compact)
 
 
 def window_scores(queries: torch.Tensor, keys: torch.Tensor, prompt_len: int) -> torch.Tensor:

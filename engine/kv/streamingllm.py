@@ -14,6 +14,16 @@ from engine.kv.base import Compressor, FixedKeptView
 class StreamingLLM(Compressor):
     name = "streamingllm"
 
+    @property
+    def kept_entries(self) -> int:
+        return min(self.config.sink, self.budget)
+
+    def prefill_done(self, slot: int, prompt_len: int, observed) -> None:
+        if self.compact is not None:
+            count = min(prompt_len, self.kept_entries)
+            sinks = torch.arange(count, device=self.cache.device).expand(self.cache.layers, self.cache.kv_heads, count)
+            self.compact.fill(slot, sinks, max(count, prompt_len - (self.budget - count)), prompt_len)
+
     def view(self, slots: list[int], ends: list[int]) -> FixedKeptView:
         device = self.cache.device
         B = len(slots)
@@ -22,5 +32,6 @@ class StreamingLLM(Compressor):
         kept = torch.arange(sink, device=device).expand(B, self.cache.kv_heads, sink)  # [B, kv_heads, sink]
         count = torch.clamp(ends_t, max=sink)  # [B]
         return FixedKeptView(lambda layer: kept, count, count, ends_t, self.budget, self.timer,
-                             layer_invariant=True)
+                             layer_invariant=True, slots=torch.tensor(slots, dtype=torch.long, device=device),
+                             compact=self.compact)
 

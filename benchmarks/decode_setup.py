@@ -1,0 +1,34 @@
+"""Shared by the step micro-benchmarks (step_profile.py, draft_step.py): the real default model over a
+cache of random K/V, and a median timer. A decode step's cost does not depend on the cached values.
+Not a benchmark itself."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from engine.models import LoadedModel, load_model
+from engine.runner import ModelRunner
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def random_cache_runner(batch: int, context: int) -> tuple[LoadedModel, ModelRunner, torch.Tensor]:
+    """The default model, a runner whose cache holds random K/V, and one new token per row [batch, 1]."""
+    loaded = load_model("smollm2-135m-instruct", device="cpu")
+    runner = ModelRunner(loaded, slots=batch, capacity=context + 16)
+    generator = torch.Generator().manual_seed(0)
+    runner.cache.k.normal_(generator=generator)  # [layers, slots, kv_heads, capacity, head_dim]
+    runner.cache.v.normal_(generator=generator)
+    tokens = torch.randint(0, 1000, (batch, 1), generator=generator)  # [B, 1]
+    return loaded, runner, tokens
