@@ -33,6 +33,8 @@ from engine.kv.cache import KVCache
 
 
 class CompactStore:
+    """One compressor's store for every slot; see the module docstring for the layout."""
+
     def __init__(self, cache: KVCache, *, kept: int, budget: int, extra: int, copy_committed: bool,
                  sinks: bool = False, dtype: torch.dtype = torch.bfloat16):
         """kept: entries reserved for kept positions; extra: speculative positions beyond the view;
@@ -82,7 +84,7 @@ class CompactStore:
             self._copy(slot, max(length - self.extra, 0), length)
 
     def _copy(self, slot: int, start: int, length: int) -> None:
-        """Positions [start, length) of the cache into the ring (start >= length - ring)."""
+        """Positions [start, length) of the cache into their entries (start >= length - ring)."""
         if length > start:
             positions = torch.arange(start, length, device=self.k.device)  # [n]
             rows = self.rows_for(positions)
