@@ -4,13 +4,25 @@ Not a benchmark itself."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from engine.models import LoadedModel, load_model
 from engine.runner import ModelRunner
+
+
+def step_arguments(doc: str, *, context: int, repeats: int, out: str) -> argparse.ArgumentParser:
+    """The options both scripts take: --batch, --context, --repeats, --out (with their defaults)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=context)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--out", type=Path, default=Path(out))
+    return parser
 
 
 def median_seconds(fn, repeats: int) -> float:

@@ -14,11 +14,9 @@ Median of `--repeats` steps each, all in one process, beside one plain target st
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 
@@ -27,7 +25,7 @@ from engine.config import DraftConfig
 from engine.draft_forward import LeanDraft, ModuleDraft, dtype_name
 from engine.draft_gemms import INT8, DraftGemms
 from engine.kv.streamingllm import StreamingLLM
-from decode_setup import median_seconds, random_cache_runner
+from decode_setup import median_seconds, random_cache_runner, step_arguments
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -35,12 +33,8 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=3584)
+    parser = step_arguments(__doc__, context=3584, repeats=11, out="benchmarks/results/draft_step.json")
     parser.add_argument("--budget", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/draft_step.json"))
     args = parser.parse_args()
     B, L = args.batch, args.context
 

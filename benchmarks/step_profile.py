@@ -11,27 +11,20 @@ same K and V as the streaming yardstick. Writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine import cpu_kernels
 from engine.attention import ForwardBatch
-from decode_setup import median_seconds, random_cache_runner
+from decode_setup import median_seconds, random_cache_runner, step_arguments
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_profile.json"))
-    args = parser.parse_args()
+    args = step_arguments(__doc__, context=4096, repeats=9, out="benchmarks/results/step_profile.json").parse_args()
     B, L = args.batch, args.context
 
     loaded, runner, tokens = random_cache_runner(B, L)  # tokens: [B, 1], one new token per row

@@ -25,11 +25,12 @@ import torch
 
 from engine.attention import ForwardBatch
 from engine.config import Recipe, recipe_from_dict
-from engine.draft_forward import LeanDraft, draft_forward_for
+from engine.draft_forward import draft_forward_for
+from engine.draft_gemms import resolve_linear_dtype
 from engine.engine import COMPRESSORS, round_scratch
 from engine.errors import JobError
 from engine.kv.snapkv import WindowObserver
-from engine.models import LoadedModel, load_model, model_shapes
+from engine.models import LoadedModel, load_model, model_shapes, resolve_device, resolve_dtype
 from engine.plan import hardware_profile, kv_bytes_per_token, linear_params, normalize_shapes, plan, shapes_for
 from engine.runner import ModelRunner
 from engine.sequence import Request, Sequence
@@ -106,6 +107,9 @@ class Bench:
             for linear_dtype in spec.draft_linear_dtypes:
                 for gamma in spec.gammas:
                     self.recipe(method, spec.budgets[0], gamma, linear_dtype)
+        device = resolve_device(spec.device)
+        for linear_dtype in spec.draft_linear_dtypes:  # e.g. int8 where this torch cannot run it
+            resolve_linear_dtype(linear_dtype, resolve_dtype(spec.dtype, device), device)
 
     def _load(self) -> LoadedModel:
         spec = self.spec
@@ -204,9 +208,10 @@ class Bench:
         compressor = None
         if method != "none":
             compressor = COMPRESSORS[method](recipe.draft, self.runner.cache, self.runner.heads)
-        draft_forward = draft_forward_for(linear_dtype, self.runner) if compressor is not None else None
-        if isinstance(draft_forward, LeanDraft):
-            compressor.enable_compact(extra=round_scratch(recipe), copy_committed=True)
+        draft_forward = None
+        if compressor is not None:
+            draft_forward = draft_forward_for(linear_dtype, self.runner, compressor, extra=round_scratch(recipe),
+                                              self_speculation=True)
         seqs = self.reset(batch, context, compressor)
         stats = EngineStats()
         rounds = RoundRunner(self.runner, self.runner if compressor else None, compressor, recipe.sampling, stats,

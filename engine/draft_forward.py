@@ -1,9 +1,10 @@
 """The draft step: a lean forward for Llama-family drafts on CPU, or transformers' own forward.
 
 A draft step reads a small compressed view, so once its GEMMs are cheap (int8 or bf16, see
-`engine.draft_gemms`) what is left is per-operation overhead: transformers' decoder layer makes ~150
-small torch calls per layer (norms in five ops, RoPE by slicing and concatenating, three separate
-projections, dtype round trips), ~10 ms of a ~30 ms batch-16 draft step on a 2-core CPU. `LeanDraft`
+`engine.draft_gemms`) much of what is left is per-operation overhead: transformers' decoder layer
+makes many small torch calls (norms in five ops, RoPE by slicing and concatenating, three separate
+projections, dtype round trips); on a 2-core CPU a batch-16 int8 draft step takes 30.4 ms that way
+and 22.9 ms here over the same view (BENCHMARKS.md, `results/draft_step.json`). `LeanDraft`
 runs the same computation for the decoder layers it recognises (`supports`: Llama, Mistral, Qwen2:
 pre-norm RMSNorm, RoPE, GQA attention, SiLU-gated MLP, plain `nn.Linear` projections) with fused
 q/k/v and gate/up weights in the draft's GEMM dtype and three C++ ops per layer (residual + RMSNorm,
@@ -21,6 +22,7 @@ transformers' modules with `engine.attention`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -29,17 +31,21 @@ import torch.nn.functional as F
 from engine import cpu_kernels
 from engine.attention import ForwardBatch
 from engine.draft_gemms import INT8, DraftGemms, make_linear, resolve_linear_dtype
+from engine.kv.base import Compressor
 from engine.runner import ModelRunner
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def draft_forward_for(setting: str, runner: ModelRunner) -> "LeanDraft | ModuleDraft":
-    """The draft step for `draft.linear_dtype` = setting: the lean forward where `supports` says so,
-    else transformers' forward with the draft GEMMs switched on."""
+def draft_forward_for(setting: str, runner: ModelRunner, compressor: Compressor, *, extra: int,
+                      self_speculation: bool) -> "LeanDraft | ModuleDraft":
+    """The draft step for `draft.linear_dtype` = setting: the lean forward where `supports` says so
+    (its compressor then keeps a StreamingLLM/SnapKV view in a compact store, before any prefill;
+    extra = gamma_max + 1), else transformers' forward with the draft GEMMs switched on."""
     dtype = resolve_linear_dtype(setting, runner.model.dtype, runner.device)
     if supports(runner.model, runner.cache.k.dtype, runner.device):
+        compressor.enable_compact(extra=extra, copy_committed=self_speculation)
         return LeanDraft.for_model(runner.model, dtype)
     return ModuleDraft(runner, DraftGemms.for_model(runner.model, dtype) if dtype is not None else None)
 
@@ -60,9 +66,7 @@ class ModuleDraft:
 
     def __call__(self, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """tokens: [B, T] -> logits [B, vocab] of each row's last token."""
-        if self.gemms is None:
-            return self.runner.forward(tokens, batch, last_only=True)[:, -1]
-        with self.gemms.active():
+        with self.gemms.active() if self.gemms is not None else contextlib.nullcontext():
             return self.runner.forward(tokens, batch, last_only=True)[:, -1]
 
 

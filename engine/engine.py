@@ -74,9 +74,9 @@ class Engine:
             self.compressor = COMPRESSORS[method](recipe.draft, self.draft.cache, self.draft.heads)
         self.draft_forward: LeanDraft | ModuleDraft | None = None  # the draft step (its GEMM dtype, its path)
         if self.draft is not None:
-            self.draft_forward = draft_forward_for(recipe.draft.linear_dtype, self.draft)
-            if isinstance(self.draft_forward, LeanDraft):  # it reads StreamingLLM/SnapKV views from a compact store
-                self.compressor.enable_compact(extra=round_scratch(recipe), copy_committed=self.draft is self.target)
+            self.draft_forward = draft_forward_for(recipe.draft.linear_dtype, self.draft, self.compressor,
+                                                   extra=round_scratch(recipe),
+                                                   self_speculation=self.draft is self.target)
         self.rounds = RoundRunner(self.target, self.draft, self.compressor, recipe.sampling, self.stats, sync,
                                   self.draft_forward)
         self.policy = GammaPolicy(recipe.spec.gamma, recipe.spec.gamma_max, recipe.spec.replan_every,

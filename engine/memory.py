@@ -47,14 +47,14 @@ def weight_bytes(shapes: dict, element: int) -> int:
 
 def compact_bytes(recipe: Recipe, shapes: dict, slots: int, device: torch.device) -> int:
     """The lean CPU draft's compact store (StreamingLLM, SnapKV), counted whenever it may be used."""
-    from engine.engine import round_scratch
+    from engine.engine import COMPRESSORS, round_scratch
 
     d = recipe.draft
-    if device.type != "cpu" or d.method not in ("streamingllm", "snapkv"):
+    method = COMPRESSORS.get(d.method)
+    if device.type != "cpu" or method is None or not method.compact_store:
         return 0
-    kept = min(d.sink, d.budget) if d.method == "streamingllm" else max(d.budget - d.window, 0)
     return CompactStore.bytes_needed(layers=shapes["layers"], slots=slots, kv_heads=shapes["kv_heads"],
-                                     head_dim=shapes["head_dim"], kept=kept, budget=d.budget,
+                                     head_dim=shapes["head_dim"], kept=method.kept_entries(d), budget=d.budget,
                                      extra=round_scratch(recipe))
 
 

@@ -27,11 +27,11 @@ from engine.verification import verify_greedy, verify_sampling
 class RoundRunner:
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, compressor: Compressor | None,
                  sampling: SamplingConfig, stats: EngineStats, sync=None, draft_forward=None):
-        """draft_forward: the draft step, (tokens [B, T], ForwardBatch) -> last-token logits [B, vocab]
-        (`engine.draft_forward`); by default transformers' forward of the draft model."""
+        """draft_forward: the draft step (with a draft), (tokens [B, T], ForwardBatch) -> last-token
+        logits [B, vocab]: `engine.draft_forward`."""
         self.target = target
         self.draft = draft
-        self.draft_forward = draft_forward or (lambda tokens, batch: draft.forward(tokens, batch, last_only=True)[:, -1])
+        self.draft_forward = draft_forward
         self.compressor = compressor
         self.self_speculation = draft is target
         self.sampling = sampling

@@ -98,6 +98,24 @@ def test_existing_output_is_left_untouched(tmp_path):
     assert out.read_text() == '{"id": "old"}\n'
 
 
+def test_int8_draft_gemms_where_torch_cannot_run_them_is_refused(tmp_path, monkeypatch):
+    """Before the model loads and before any output exists: run and bench alike."""
+    from engine import draft_gemms
+
+    monkeypatch.setattr(draft_gemms, "int8_supported", lambda: False)
+    data = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    out = tmp_path / "out.jsonl"
+    result = invoke("run", "generic", "--input", data, "--output", out, "--set", "draft.linear_dtype=int8")
+    assert result.exit_code == 2
+    one_line_error(result, "draft.linear_dtype", "int8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    result = invoke("bench", "--model", "tiny-shape", "--batch", "1", "--context", "64", "--no-hf",
+                    "--draft-linear-dtype", "int8", "--out", tmp_path / "bench")
+    assert result.exit_code == 2
+    one_line_error(result, "draft.linear_dtype", "int8")
+    assert not (tmp_path / "bench").exists()
+
+
 def test_debug_variable_shows_the_traceback(tmp_path, monkeypatch):
     monkeypatch.setenv("MAGICDEC_DEBUG", "1")
     result = invoke("run", "generic", "--input", tmp_path / "missing.jsonl")

@@ -22,13 +22,13 @@ LAYERS, SLOTS, KV_HEADS, HEADS, D = 2, 3, 2, 4, 8
 EXTRA = 5  # gamma_max 4, plus the pending token
 
 
-def make(method: str, budget: int, copy: bool = True):
+def make(method: str, budget: int, copy: bool = True, sink: int = 4):
     g = torch.Generator().manual_seed(0)
     cache = KVCache(layers=LAYERS, slots=SLOTS, kv_heads=KV_HEADS, head_dim=D, capacity=600,
                     dtype=torch.float32, device="cpu")
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
-    config = DraftConfig(method=method, budget=budget, sink=4, window=6)
+    config = DraftConfig(method=method, budget=budget, sink=sink, window=6)
     compressor = {"streamingllm": StreamingLLM, "snapkv": SnapKV}[method](config, cache, HEADS)
     assert compressor.enable_compact(extra=EXTRA, copy_committed=copy)
     return cache, compressor
@@ -56,10 +56,11 @@ def reference(compressor, slot: int, end: int, layer: int, head: int) -> set[int
 
 
 @pytest.mark.parametrize("draft", ["self", "separate"])  # committed K/V: the target's, or the draft's own
-@pytest.mark.parametrize("method,budget", [("streamingllm", 24), ("streamingllm", 200), ("snapkv", 24)])
+@pytest.mark.parametrize("method,budget,sink", [("streamingllm", 24, 4), ("streamingllm", 24, 0),
+                                               ("streamingllm", 200, 4), ("snapkv", 24, 4)])
 @pytest.mark.parametrize("prompt_len", [3, 15, 150])
-def test_store_shows_the_view_through_rounds(method, budget, prompt_len, draft):
-    cache, compressor = make(method, budget, copy=draft == "self")
+def test_store_shows_the_view_through_rounds(method, budget, sink, prompt_len, draft):
+    cache, compressor = make(method, budget, copy=draft == "self", sink=sink)
     g = torch.Generator().manual_seed(prompt_len)
     slot = 1
     observed = torch.randn(LAYERS, HEADS, min(6, prompt_len), D, generator=g) if method == "snapkv" else None

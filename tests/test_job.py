@@ -24,12 +24,19 @@ def read_rows(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+def write_prompts(tmp_path, count: int = 12):
+    """An input file of `count` short prompts with integer ids 0..count-1."""
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "prompt": f"Write one sentence about the number {i}."}) + "\n"
+                            for i in range(count)))
+    return data
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
-    prompts = [f"Write one sentence about the number {i}." for i in range(12)]
-    data = tmp_path / "in.jsonl"
-    data.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    count = 12
+    data = write_prompts(tmp_path, count)
     killed = tmp_path / "killed.jsonl"
     job = magicdec("run", "generic", "--input", data, "--output", killed, *ARGS)
     deadline = time.time() + 240
@@ -41,14 +48,14 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
     job.send_signal(signal.SIGKILL)
     job.wait()
     before = read_rows(killed)
-    assert 3 <= len(before) < len(prompts)
+    assert 3 <= len(before) < count
 
     resumed = magicdec("run", "generic", "--input", data, "--output", killed, *ARGS, "--resume")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     after = read_rows(killed)
     ids = [r["id"] for r in after]
-    assert sorted(ids) == list(range(len(prompts))), "every id exactly once"
+    assert sorted(ids) == list(range(count)), "every id exactly once"
     assert after[: len(before)] == before, "rows written before the kill are kept as they were"
 
     clean = tmp_path / "clean.jsonl"
@@ -58,13 +65,12 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
     as_map = lambda rows: {r["id"]: (r["text"], r["finish_reason"], r["output_tokens"]) for r in rows}
     assert as_map(after) == as_map(read_rows(clean))
     report = json.loads((tmp_path / "killed.jsonl.report.json").read_text())
-    assert report["job"]["rows"] == len(prompts) and report["job"]["rows_resumed"] == len(before)
+    assert report["job"]["rows"] == count and report["job"]["rows_resumed"] == len(before)
 
 
 @pytest.mark.real_model
 def test_half_written_last_line_is_tolerated(tmp_path):
-    data = tmp_path / "in.jsonl"
-    data.write_text("".join(json.dumps({"id": i, "prompt": f"Count to {i}:"}) + "\n" for i in range(4)))
+    data = write_prompts(tmp_path, 4)
     out = tmp_path / "out.jsonl"
     first = magicdec("run", "generic", "--input", data, "--output", out, *ARGS, "--limit", "2")
     first.communicate(timeout=300)
@@ -85,9 +91,8 @@ def test_sigterm_stops_like_ctrl_c_and_resume_finishes(tmp_path):
     of killing it outright; --resume then completes every id exactly once."""
     import pyarrow.parquet as pq
 
-    prompts = [f"Write one sentence about the number {i}." for i in range(12)]
-    data = tmp_path / "in.jsonl"
-    data.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    count = 12
+    data = write_prompts(tmp_path, count)
     out = tmp_path / "out.parquet"
     job = magicdec("run", "generic", "--input", data, "--output", out, *ARGS)
     deadline = time.time() + 240
@@ -102,4 +107,4 @@ def test_sigterm_stops_like_ctrl_c_and_resume_finishes(tmp_path):
     resumed = magicdec("run", "generic", "--input", data, "--output", out, *ARGS, "--resume")
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
-    assert sorted(pq.read_table(out).column("id").to_pylist()) == list(range(len(prompts)))
+    assert sorted(pq.read_table(out).column("id").to_pylist()) == list(range(count))

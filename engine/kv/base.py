@@ -67,6 +67,8 @@ class Compressor(ABC):
 
     name = "base"
     observe_window = 0  # how many trailing prompt queries the prefill must hand over (SnapKV)
+    compact_store = False  # whether its view can live in a `CompactStore` (kept part fixed per slot)
+    compact_sinks = False  # ...whose kept entry i holds position i (StreamingLLM's sinks)
     compact: CompactStore | None = None  # the draft's own bf16 store, when enabled (`enable_compact`)
 
     def __init__(self, config: DraftConfig, cache: KVCache, num_heads: int):
@@ -76,22 +78,22 @@ class Compressor(ABC):
         self.num_heads = num_heads  # query heads (local to this rank under tensor parallelism)
         self.timer = SelectionTimer()
 
-    @property
-    def kept_entries(self) -> int:
-        """Entries a compact store reserves for kept positions; 0: this method has no compact store
-        (its kept part depends on the query)."""
+    @staticmethod
+    def kept_entries(config: DraftConfig) -> int:
+        """Entries a compact store reserves for kept positions (methods with `compact_store`)."""
         return 0
 
     def enable_compact(self, *, extra: int, copy_committed: bool) -> bool:
-        """Keep the draft's view in a `CompactStore` (before any prefill); False if the method cannot.
+        """Keep the draft's view in a `CompactStore` (before any prefill); False if the method cannot
+        (its kept part depends on the query).
 
         extra: the most positions a round writes past the committed length (gamma_max + 1);
         copy_committed: True for self-speculation (committed K/V come from the target cache).
         """
-        if not self.kept_entries:
+        if not self.compact_store:
             return False
-        self.compact = CompactStore(self.cache, kept=self.kept_entries, budget=self.budget, extra=extra,
-                                    copy_committed=copy_committed, sinks=self.name == "streamingllm")
+        self.compact = CompactStore(self.cache, kept=self.kept_entries(self.config), budget=self.budget,
+                                    extra=extra, copy_committed=copy_committed, sinks=self.compact_sinks)
         return True
 
     def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None) -> None:

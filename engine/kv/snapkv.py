@@ -18,11 +18,12 @@ from engine.kv.base import Compressor, FixedKeptView
 
 class SnapKV(Compressor):
     name = "snapkv"
+    compact_store = True
 
     def __init__(self, config, cache, num_heads):
         super().__init__(config, cache, num_heads)
         self.observe_window = config.window
-        self.keep = max(self.budget - config.window, 0)
+        self.keep = self.kept_entries(config)
         # [layers, slots, kv_heads, keep]: the kept positions of each slot's prompt, ascending.
         self.kept = torch.zeros(cache.layers, cache.slots, cache.kv_heads, max(self.keep, 1),
                                 dtype=torch.long, device=cache.device)
@@ -48,9 +49,9 @@ class SnapKV(Compressor):
             recent_start = max(region, 0, prompt_len - (self.budget - count))
             self.compact.fill(slot, self.kept[:, slot, :, :count], recent_start, prompt_len)
 
-    @property
-    def kept_entries(self) -> int:
-        return self.keep
+    @staticmethod
+    def kept_entries(config) -> int:
+        return max(config.budget - config.window, 0)
 
     def view(self, slots: list[int], ends: list[int]) -> FixedKeptView:
         device = self.cache.device

@@ -13,14 +13,15 @@ from engine.kv.base import Compressor, FixedKeptView
 
 class StreamingLLM(Compressor):
     name = "streamingllm"
+    compact_store = compact_sinks = True
 
-    @property
-    def kept_entries(self) -> int:
-        return min(self.config.sink, self.budget)
+    @staticmethod
+    def kept_entries(config) -> int:
+        return min(config.sink, config.budget)
 
     def prefill_done(self, slot: int, prompt_len: int, observed) -> None:
         if self.compact is not None:
-            count = min(prompt_len, self.kept_entries)
+            count = min(prompt_len, self.compact.kept)
             sinks = torch.arange(count, device=self.cache.device).expand(self.cache.layers, self.cache.kv_heads, count)
             self.compact.fill(slot, sinks, max(count, prompt_len - (self.budget - count)), prompt_len)
 
