@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from engine.models import LoadedModel, load_model
-from engine.runner import ModelRunner
+from engine.models.loading import LoadedModel, load_model
+from engine.core.runner import ModelRunner
 
 
 def step_arguments(doc: str, *, context: int, repeats: int, out: str) -> argparse.ArgumentParser:
@@ -37,7 +37,7 @@ def median_seconds(fn, repeats: int) -> float:
 
 def random_cache_runner(batch: int, context: int) -> tuple[LoadedModel, ModelRunner, torch.Tensor]:
     """The default model, a runner whose cache holds random K/V, and one new token per row [batch, 1]."""
-    loaded = load_model("smollm2-135m-instruct", device="cpu")
+    loaded = load_model("smollm2-135m-instruct", device="cpu", attn_implementation="magicdec")
     runner = ModelRunner(loaded, slots=batch, capacity=context + 16)
     generator = torch.Generator().manual_seed(0)
     runner.cache.k.normal_(generator=generator)  # [layers, slots, kv_heads, capacity, head_dim]

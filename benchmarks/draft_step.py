@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from engine.attention import ForwardBatch
-from engine.config import DraftConfig
-from engine.draft_forward import LeanDraft, ModuleDraft, dtype_name
-from engine.draft_gemms import INT8, DraftGemms
-from engine.kv.streamingllm import StreamingLLM
+from engine.core.attention import ForwardBatch
+from engine.config.schema import DraftConfig
+from engine.spec.draft.forward import LeanDraft, ModuleDraft, dtype_name
+from engine.spec.draft.gemms import INT8, DraftGemms
+from engine.spec.compressors.streamingllm import StreamingLLM
 from decode_setup import median_seconds, random_cache_runner, step_arguments
 
 
@@ -60,9 +60,6 @@ def main() -> None:
             gemms = DraftGemms(loaded.model, dtype) if dtype is not None else None
             rows.append({"path": "transformers", "view": "cache positions", "gemms": name,
                          "ms": median_ms(step(ModuleDraft(runner, gemms), on_cache), args.repeats)})
-            for module in loaded.model.modules():  # undo DraftGemms' per-module forwards
-                if type(module) is torch.nn.Linear:
-                    module.__dict__.pop("forward", None)
             lean = LeanDraft(loaded.model, dtype)
             rows.append({"path": "lean", "view": "cache positions", "gemms": name,
                          "ms": median_ms(step(lean, on_cache), args.repeats)})

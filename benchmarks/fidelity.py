@@ -32,10 +32,10 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.models import load_model
+    from engine.models.loading import load_model
 
     torch.set_num_threads(2)
-    loaded = load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
+    loaded = load_model("smollm2-135m-instruct", dtype="float32", device="cpu", attn_implementation="magicdec")
     tokenizer = loaded.tokenizer
     texts = [json.loads(line)["prompt"] for line in (ROOT / "sample_data" / "long.jsonl").read_text().splitlines()]
     stream = [t for text in texts for t in tokenizer(text)["input_ids"]]

@@ -18,8 +18,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine import cpu_kernels
-from engine.attention import ForwardBatch
+from engine.core import kernels as cpu_kernels
+from engine.core.attention import ForwardBatch
 from decode_setup import median_seconds, random_cache_runner, step_arguments
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
 import json, resource, sys, time
-from engine.validate import validate_job
+from engine.job.validate import validate_job
 t0 = time.time()
 result = validate_job("generic", sys.argv[1])
 print(json.dumps({"rows": result["rows"], "rows_bad": result["rows_bad"], "seconds": time.time() - t0,

@@ -19,6 +19,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from engine.config.schema import DEFAULT_MODEL
 from engine.errors import JobError
 from magicdec_cli.console import Out
 
@@ -84,7 +85,7 @@ def run(
     json_: JsonOpt = False,
 ) -> None:
     """Generate for every input row; write outputs and a throughput report."""
-    from engine.job import JobOptions
+    from engine.job.run import JobOptions
 
     if resume and overwrite:
         raise JobError("--resume and --overwrite exclude each other")
@@ -92,17 +93,19 @@ def run(
     options = JobOptions(recipe=recipe, input=str(input), output=str(output) if output else None,
                          report=str(report) if report else None, overrides=tuple(set_ or ()),
                          mode="resume" if resume else "overwrite" if overwrite else "new", limit=limit, tp=tp)
-    from engine import parallel
+    from engine.scale import launch as launching
+    from engine.scale import run as parallel
 
     # SIGTERM (a scheduler, or the launcher stopping the other ranks) stops a job like Ctrl-C does: the
     # writer is closed on the way out, so rows it still buffers (Parquet parts) are kept for --resume.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        if parallel.needs_launch(tp, dp):  # start tp x dp worker processes running this same command
-            raise typer.Exit(parallel.launch(sys.argv[1:], tp=tp, dp=dp, options=options))
+        if launching.needs_launch(tp, dp):  # start tp x dp worker processes running this same command
+            command = [sys.executable, "-m", "magicdec_cli.main", *sys.argv[1:]]
+            raise typer.Exit(launching.launch(command, tp=tp, dp=dp, options=options))
         _set_threads()
         outcome = parallel.run(options, out.progress(), tp=tp, dp=dp)
-    except parallel.WorkersFailed as exc:  # a worker, or another rank of this job, stopped early
+    except launching.WorkersFailed as exc:  # a worker, or another rank of this job, stopped early
         if exc.message:
             out.error(exc.message)
         raise typer.Exit(exc.exit_code)
@@ -112,7 +115,7 @@ def run(
     if json_:
         print(json.dumps(summary, default=str))
     else:
-        from engine.report import summary_rows
+        from engine.job.report_render import summary_rows
 
         out.table(f"magicdec: {outcome.output_path}", summary_rows(summary))
         out.info(f"report: {outcome.report_path}")
@@ -125,7 +128,7 @@ def validate(recipe: RecipeArg, input: InputOpt, set_: SetOpt = None,
              limit: Annotated[Optional[int], typer.Option("--limit", min=1)] = None,
              quiet: QuietOpt = False, json_: JsonOpt = False) -> None:
     """Check the recipe and every input row (templates, lengths) without running a model."""
-    from engine.validate import validate_job
+    from engine.job.validate import validate_job
 
     out = Out(quiet=quiet, json_mode=json_)
     result = validate_job(recipe, str(input), tuple(set_ or ()), limit=limit)
@@ -147,11 +150,11 @@ def recipes(name: Annotated[Optional[str], typer.Argument(help="Show this recipe
     """List the shipped recipes, or show one with every default filled in."""
     import yaml
 
-    from engine.config import RECIPES_DIR, load_recipe, shipped_recipe_names
+    from engine.config.loading import load_recipe, shipped_recipe, shipped_recipe_names
 
     if name is None:
         for recipe_name in shipped_recipe_names():
-            first = (RECIPES_DIR / f"{recipe_name}.yaml").read_text().splitlines()[0]
+            first = shipped_recipe(recipe_name).read_text(encoding="utf-8").splitlines()[0]
             print(f"{recipe_name:10s} {first.lstrip('# ').strip()}")
         return
     print(yaml.safe_dump(load_recipe(name, tuple(set_ or ())).to_dict(), sort_keys=False), end="")
@@ -171,7 +174,7 @@ def plan(
     json_: JsonOpt = False,
 ) -> None:
     """Cost model: predicted T_T, T_D, T_V, best gamma and speedup for a recipe at B x L."""
-    from engine.planning import plan_recipe
+    from engine.planning.recipe_plan import plan_recipe
 
     out = Out(json_mode=json_)
     result = plan_recipe(recipe, tuple(set_ or ()), batch=batch, context=context, acceptance=acceptance,
@@ -179,21 +182,23 @@ def plan(
     if json_:
         print(json.dumps(result, default=str))
         return
+    from magicdec_cli.tables import display_rows
+
     out.table(f"plan: {recipe} on {result['hardware']['name']} (tp {tp}), B={batch}, L={context}",
-              [(k, v) for k, v in result["display"]], stdout=True)
+              display_rows(result), stdout=True)
 
 
 @app.command()
 @guarded
 def bench(
-    model: Annotated[str, typer.Option("--model", help="Model to time: a recipe model, or <name>-shape (random weights, e.g. llama-3.1-8b-shape).")] = "smollm2-135m-instruct",
+    model: Annotated[str, typer.Option("--model", help="Model to time: a recipe model, or <name>-shape (random weights, e.g. llama-3.1-8b-shape).")] = DEFAULT_MODEL,
     batch: Annotated[str, typer.Option("--batch", help="Batch sizes, comma-separated.")] = "16",
     context: Annotated[str, typer.Option("--context", help="Context lengths, comma-separated.")] = "4096",
     methods: Annotated[str, typer.Option("--methods", help="none,streamingllm,snapkv,pqcache (any subset).")] = "none,streamingllm,snapkv,pqcache",
     budget: Annotated[str, typer.Option("--budget", help="Draft budgets, comma-separated.")] = "512",
     gamma: Annotated[str, typer.Option("--gamma", help="Speculation lengths, comma-separated ints and/or auto.")] = "2,3",
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=2)] = 64,
-    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL of real text (`prompt` column); default sample_data/long.jsonl.")] = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL of real text (`prompt` column); default: long stretches of the Python standard library's sources.")] = None,
     hf: Annotated[bool, typer.Option("--hf/--no-hf", help="Also time transformers' own decode step.")] = True,
     layers: Annotated[Optional[int], typer.Option("--layers", min=1, help="Shape models: build only this many layers.")] = None,
     draft_linear_dtype: Annotated[str, typer.Option("--draft-linear-dtype", help="The draft's GEMMs, comma-separated settings of draft.linear_dtype (auto, same, bfloat16, ...), each timed side by side.")] = "auto",
@@ -202,7 +207,8 @@ def bench(
     out: Annotated[Path, typer.Option("--out", help="Folder for bench.json, bench.md and the plots.")] = Path("bench-results"),
 ) -> None:
     """Side-by-side decode throughput: transformers, the engine, and MagicDec per method (one process, one run)."""
-    from engine.bench import Bench, BenchSpec, parse_list, write_outputs
+    from engine.bench.render import write_outputs
+    from engine.bench.sweep import Bench, BenchSpec, parse_list
 
     _set_threads()
     spec = BenchSpec(model=model, batches=parse_list(batch, flag="batch"), contexts=parse_list(context, flag="context"),
@@ -220,7 +226,7 @@ def bench(
 @guarded
 def report(path: Annotated[Path, typer.Argument(help="A report JSON written by `magicdec run`.")]) -> None:
     """Render a saved report in the terminal."""
-    from engine.report import summary_rows
+    from engine.job.report_render import summary_rows
 
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

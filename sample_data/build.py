@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import sysconfig
 from pathlib import Path
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-MODULES = ["textwrap.py", "heapq.py", "bisect.py", "fractions.py", "statistics.py", "shlex.py", "string.py",
-           "json/decoder.py", "json/encoder.py", "csv.py", "difflib.py", "fnmatch.py", "glob.py",
-           "calendar.py", "colorsys.py", "pprint.py", "random.py", "base64.py", "quopri.py", "ipaddress.py"]
+from engine.bench.prompts import LONG_MODULES as MODULES  # the same sources `magicdec bench` reads
+from engine.bench.prompts import STDLIB, long_texts
 
 
 def sources() -> list[tuple[str, str]]:
@@ -74,9 +71,7 @@ def build(out: Path) -> None:
         task = ["Explain what the following code does.", "List the functions defined below and what each returns.",
                 "Suggest one improvement to the following code."][i % 3]
         code.append({"id": f"c{i}", "code": chunk, "instruction": task})
-    for i, (name, src) in enumerate((mods * 2)[:16]):
-        offset = (i * 3001) % max(1, len(src) - 14000)
-        long.append({"id": f"l{i}", "prompt": src[offset:offset + 13000] + "\n\n# Summary of the code above:\n"})
+    long = [{"id": f"l{i}", "prompt": text} for i, text in enumerate(long_texts())]
     for file, rows in [("generic.jsonl", generic), ("docqa.jsonl", docqa), ("rag.jsonl", rag),
                        ("code.jsonl", code), ("long.jsonl", long)]:
         (out / file).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from engine import attention, cpu_kernels
-from engine.attention import ForwardBatch, attend_cached_torch, attend_view, reference_attention
-from engine.kv.cache import KVCache
+from engine.core import attention, kernels as cpu_kernels
+from engine.core.attention import ForwardBatch, attend_cached_torch, attend_view, reference_attention
+from engine.core.kv_cache import KVCache
 
 HEADS, KV_HEADS, D = 6, 2, 32  # GQA group of 3
 
@@ -45,6 +47,12 @@ def test_torch_backend_matches_reference(T):
     query = torch.randn(3, HEADS, T, D)
     out = attend_cached_torch(query, cache.k[0], cache.v[0], batch, D ** -0.5)
     torch.testing.assert_close(out, expected(query, cache, batch, causal(batch)), atol=1e-5, rtol=1e-5)
+
+
+def test_the_cpu_kernel_is_built_wherever_a_compiler_exists():
+    if not cpu_kernels.compiler_available() and os.environ.get("CI") != "true":
+        pytest.skip("no C++ compiler on this machine: magicdec uses the torch attention path here")
+    assert cpu_kernels.load() is not None, "the fused CPU kernel failed to build"
 
 
 def _kernel():

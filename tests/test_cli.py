@@ -100,7 +100,7 @@ def test_existing_output_is_left_untouched(tmp_path):
 
 def test_int8_draft_gemms_where_torch_cannot_run_them_is_refused(tmp_path, monkeypatch):
     """Before the model loads and before any output exists: run and bench alike."""
-    from engine import draft_gemms
+    from engine.spec.draft import gemms as draft_gemms
 
     monkeypatch.setattr(draft_gemms, "int8_supported", lambda: False)
     data = write_jsonl(tmp_path / "in.jsonl", ROWS)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import DraftConfig
-from engine.kv.cache import KVCache
-from engine.kv.snapkv import SnapKV
-from engine.kv.streamingllm import StreamingLLM
+from engine.config.schema import DraftConfig
+from engine.core.kv_cache import KVCache
+from engine.spec.compressors.snapkv import SnapKV
+from engine.spec.compressors.streamingllm import StreamingLLM
 
 LAYERS, SLOTS, KV_HEADS, HEADS, D = 2, 3, 2, 4, 8
 EXTRA = 5  # gamma_max 4, plus the pending token
@@ -112,7 +112,7 @@ def test_release_empties_the_slot():
 
 
 def test_methods_whose_kept_part_follows_the_query_have_no_store():
-    from engine.kv.pqcache import PQCache
+    from engine.spec.compressors.pqcache import PQCache
 
     cache, _ = make("streamingllm", 24)
     pq = PQCache(DraftConfig(method="pqcache", budget=64, sink=4, window=8, subspaces=4, bits=4), cache, HEADS)

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from engine.config import DraftConfig
-from engine.kv.cache import KVCache
-from engine.kv.pqcache import PQCache, kmeans, nearest
-from engine.kv.snapkv import SnapKV
-from engine.kv.streamingllm import StreamingLLM
+from engine.config.schema import DraftConfig
+from engine.core.kv_cache import KVCache
+from engine.spec.compressors.pqcache import PQCache, kmeans, nearest
+from engine.spec.compressors.snapkv import SnapKV
+from engine.spec.compressors.streamingllm import StreamingLLM
 
 LAYERS, SLOTS, KV_HEADS, HEADS, D = 2, 3, 2, 4, 8
 

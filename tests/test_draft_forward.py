@@ -10,22 +10,22 @@ with the lean draft is in test_speculative.py.
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
 
 from conftest import make_tiny, random_prompts
-from engine import cpu_kernels, draft_forward
-from engine.attention import ForwardBatch
-from engine.config import DraftConfig
-from engine.draft_forward import LeanDraft, supports
-from engine.draft_gemms import INT8, DraftGemms, int8_supported
-from engine.kv.pqcache import PQCache
-from engine.kv.snapkv import SnapKV
-from engine.kv.streamingllm import StreamingLLM
-from engine.models import LoadedModel
-from engine.runner import ModelRunner
+from engine.core import kernels as cpu_kernels
+from engine.spec.draft import forward as draft_forward
+from engine.core.attention import ForwardBatch
+from engine.config.schema import DraftConfig
+from engine.spec.draft.forward import LeanDraft, supports
+from engine.spec.draft.gemms import INT8, DraftGemms, int8_supported
+from engine.spec.compressors.pqcache import PQCache
+from engine.spec.compressors.snapkv import SnapKV
+from engine.spec.compressors.streamingllm import StreamingLLM
+from engine.models.loading import LoadedModel
+from engine.core.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the compiled CPU attention kernel")
 
@@ -137,12 +137,9 @@ def test_lean_forward_with_low_precision_gemms_equals_transformers_with_draft_ge
     lean = LeanDraft(loaded.model, dtype)
     runner, compressor, lengths = prefilled(loaded, "streamingllm")
     tokens = torch.randint(3, 500, (len(lengths), 1), generator=torch.Generator().manual_seed(2))
-    reference = copy.deepcopy(loaded.model)  # DraftGemms patches the modules: keep them off `loaded`
-    gemms = DraftGemms(reference, dtype)
-    ref_runner = ModelRunner(dataclasses.replace(loaded, model=reference), slots=3, capacity=200)
-    ref_runner.cache = runner.cache
-    with gemms.active():
-        want = ref_runner.forward(tokens, draft_batch(runner, compressor, lengths, 1), last_only=True)[:, -1]
+    gemms = DraftGemms(loaded.model, dtype)  # transformers' modules, with low-precision linear layers
+    want = runner.with_module(gemms.module).forward(tokens, draft_batch(runner, compressor, lengths, 1),
+                                                    last_only=True)[:, -1]
     exact = runner.forward(tokens, draft_batch(runner, compressor, lengths, 1), last_only=True)[:, -1]
     got = lean(tokens, draft_batch(runner, compressor, lengths, 1))
     # Equal up to the low dtype's rounding: the norms are summed in another order, and an input one

@@ -1,6 +1,7 @@
-"""The draft's lower-precision GEMMs: off, the model computes exactly as before; on, each linear layer
-computes F.linear in the low dtype (int8: held to a brute-force quantised product); `auto` picks int8
-where the CPU has VNNI, else bf16 where it has native bf16 dot products, else nothing."""
+"""The draft's lower-precision GEMMs: the target's modules compute exactly as before and are not
+patched; the draft's own module tree computes each linear layer as F.linear in the low dtype (int8:
+held to a brute-force quantised product); `auto` picks int8 where the CPU has VNNI, else bf16 where it
+has native bf16 dot products, else nothing."""
 
 from __future__ import annotations
 
@@ -9,22 +10,24 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_tiny
-from engine import draft_gemms
-from engine.draft_gemms import DraftGemms, resolve_linear_dtype
+from engine.spec.draft import gemms as draft_gemms
+from engine.spec.draft.gemms import DraftGemms, resolve_linear_dtype
 from engine.errors import JobError
 
 
-def test_outside_active_the_model_is_bit_for_bit_unchanged():
+def test_the_target_model_is_bit_for_bit_unchanged_and_unpatched():
     _, model = make_tiny(5)  # transformers' own model (sdpa attention)
     ids = torch.randint(3, 500, (2, 17), generator=torch.Generator().manual_seed(0))
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     with torch.no_grad():
         before = model(input_ids=ids).logits
         gemms = DraftGemms.for_model(model, torch.bfloat16)
         after = model(input_ids=ids).logits
-        with gemms.active():
-            drafted = model(input_ids=ids).logits
+        drafted = gemms.module(input_ids=ids).logits
         again = model(input_ids=ids).logits
-    assert gemms.layers > 0
+    assert gemms.layers == len(linears) > 0
+    assert all("forward" not in m.__dict__ for m in linears), "the target's nn.Linear modules are not patched"
+    assert [m for m in model.modules() if type(m) is torch.nn.Linear] == linears
     assert torch.equal(before, after) and torch.equal(before, again)
     assert not torch.equal(before, drafted)  # the bf16 copies were really used...
     # ...and compute the same function, to bf16's precision: small errors, the same argmax almost everywhere
@@ -32,13 +35,13 @@ def test_outside_active_the_model_is_bit_for_bit_unchanged():
     assert (drafted.argmax(-1) == before.argmax(-1)).float().mean() > 0.9
 
 
-def test_each_linear_computes_in_the_low_dtype_when_active():
+def test_each_draft_linear_computes_in_the_low_dtype():
     layer = torch.nn.Linear(48, 24)
     model = torch.nn.Sequential(layer)
     x = torch.randn(5, 48)
     gemms = DraftGemms.for_model(model, torch.bfloat16)
-    with torch.no_grad(), gemms.active():
-        got = model(x)
+    with torch.no_grad():
+        got = gemms.module(x)
     want = F.linear(x.bfloat16(), layer.weight.detach().bfloat16(), layer.bias.detach().bfloat16()).float()
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert DraftGemms.for_model(model, torch.bfloat16) is gemms  # shared per model

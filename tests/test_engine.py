@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from conftest import hf_greedy, make_tiny, random_prompts
-from engine.attention import ForwardBatch
-from engine.config import recipe_from_dict
-from engine.engine import Engine
-from engine.runner import ModelRunner
-from engine.sequence import Request
+from engine.core.attention import ForwardBatch
+from engine.config.loading import recipe_from_dict
+from engine.spec.decoder import build_engine
+from engine.core.runner import ModelRunner
+from engine.core.sequence import Request
 
 
 def plain_recipe(**over):
@@ -65,7 +65,7 @@ def test_logits_match_transformers_prefill_chunks_and_decode(tiny):
 def test_greedy_equals_transformers_generate_mixed_lengths(tiny):
     loaded, reference = tiny
     prompts = random_prompts(8, 3, 90)
-    engine = Engine(plain_recipe(), loaded)  # 3 slots for 8 rows: slots are refilled as rows finish
+    engine = build_engine(plain_recipe(), loaded)  # 3 slots for 8 rows: slots are refilled as rows finish
     results = generate(engine, prompts, 24)
     for prompt, result in zip(prompts, results):
         assert result.token_ids == hf_greedy(reference, prompt, 24)
@@ -79,7 +79,7 @@ def test_rows_stop_on_their_own_eos_and_max_new_tokens():
     counts = torch.bincount(torch.tensor([t for row in free for t in row[2:10]]), minlength=512)
     eos = int(counts.argmax())
     loaded.eos_token_ids = (eos,)
-    engine = Engine(plain_recipe(), loaded)
+    engine = build_engine(plain_recipe(), loaded)
     results = generate(engine, prompts, 20)
     reasons = set()
     for prompt, result in zip(prompts, results):
@@ -94,7 +94,7 @@ def test_rows_stop_on_their_own_eos_and_max_new_tokens():
 
 def test_slot_capacity_stops_a_row_with_length():
     loaded, _ = make_tiny(1)
-    engine = Engine(plain_recipe(batch__max_len=30), loaded)
+    engine = build_engine(plain_recipe(batch__max_len=30), loaded)
     prompt = random_prompts(1, 10, 10)[0]
     result = generate(engine, [prompt], 20)[0]
     assert len(prompt) + len(result.token_ids) <= 30 and result.finish_reason == "length"
@@ -109,7 +109,7 @@ def test_sampling_is_reproducible_and_seeded(tiny):
     def sample(seed):
         recipe = plain_recipe(sampling__temperature=1.0, sampling__top_p=0.9, sampling__top_k=50,
                               sampling__seed=seed)
-        return [r.token_ids for r in generate(Engine(recipe, loaded), prompts, 16)]
+        return [r.token_ids for r in generate(build_engine(recipe, loaded), prompts, 16)]
 
     first = sample(7)
     assert sample(7) == first
@@ -120,10 +120,10 @@ def test_sampled_rows_do_not_depend_on_batch_composition(tiny):
     loaded, _ = tiny
     prompts = random_prompts(4, 4, 30)
     recipe = plain_recipe(sampling__temperature=0.8, sampling__seed=3)
-    together = [r.token_ids for r in generate(Engine(recipe, loaded), prompts, 12)]
+    together = [r.token_ids for r in generate(build_engine(recipe, loaded), prompts, 12)]
     alone = []
     for i, p in enumerate(prompts):
-        engine = Engine(recipe, loaded)
+        engine = build_engine(recipe, loaded)
         alone.append(next(iter(engine.run([Request(i, i, p, 12)]))).token_ids)
     assert together == alone
 
@@ -138,7 +138,7 @@ def test_real_model_greedy_equals_transformers(real_model):
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     recipe = recipe_from_dict({"draft": {"method": "none"}, "batch": {"size": 2, "max_len": 256},
                                "sampling": {"max_new_tokens": 20}})
-    results = generate(Engine(recipe, real_model), prompts, 20)
+    results = generate(build_engine(recipe, real_model), prompts, 20)
     reference = AutoModelForCausalLM.from_pretrained(real_model.model.name_or_path, attn_implementation="sdpa")
     eos = real_model.eos_token_ids[0]
     for prompt, result in zip(prompts, results):

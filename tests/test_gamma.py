@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.gamma import GammaPolicy, best_gamma, expected_tokens, relative_time
+from engine.spec.gamma import GammaPolicy, best_gamma, expected_tokens, relative_time
 
 
 def test_expected_tokens_is_the_geometric_sum():

@@ -7,10 +7,11 @@ import copy
 import pytest
 import torch
 
-from engine.config import recipe_from_dict
-from engine.engine import Engine
-from engine.models import LoadedModel, shape_config
-from engine.sequence import Request
+from engine.config.loading import recipe_from_dict
+from engine.spec.decoder import build_engine
+from engine.models.loading import LoadedModel
+from engine.models.shapes import shape_config
+from engine.core.sequence import Request
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -37,7 +38,7 @@ def test_greedy_speculation_equals_plain_on_cuda(method):
                                    "draft": {"method": draft_method, "budget": 64, "sink": 4, "window": 8,
                                              "subspaces": 4, "bits": 4},
                                    "spec": {"gamma": 3}, "batch": {"size": 4}, "sampling": {"max_new_tokens": 32}})
-        engine = Engine(recipe, loaded)
+        engine = build_engine(recipe, loaded)
         out = {r.request.index: r.token_ids for r in engine.run(Request(i, i, p, 32) for i, p in enumerate(prompts))}
         return [out[i] for i in range(len(prompts))], engine
 
@@ -50,8 +51,8 @@ def test_greedy_speculation_equals_plain_on_cuda(method):
 def test_bf16_engine_logits_follow_transformers_on_cuda():
     from transformers import AutoModelForCausalLM
 
-    from engine.attention import ForwardBatch
-    from engine.runner import ModelRunner
+    from engine.core.attention import ForwardBatch
+    from engine.core.runner import ModelRunner
 
     loaded = cuda_tiny(torch.bfloat16)
     reference = AutoModelForCausalLM.from_config(copy.deepcopy(loaded.model.config), attn_implementation="sdpa",

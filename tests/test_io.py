@@ -15,7 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.errors import JobError, RowError
-from engine.io import OutputWriter, id_key, open_input, openai_batch_request
+from engine.job.io.input import open_input
+from engine.job.io.openai_batch import openai_batch_request
+from engine.job.io.output import OutputWriter, id_key
 
 MANIFEST = {"recipe": {"name": "docqa", "draft": {"method": "streamingllm"}}, "model": "m",
             "input": "in.jsonl"}
@@ -497,7 +499,7 @@ def test_parquet_schema_hint_types_all_null_columns_but_never_the_ids(tmp_path):
 
 CHILD = """
 import sys, time
-from engine.io import OutputWriter
+from engine.job.io.output import OutputWriter
 writer = OutputWriter(sys.argv[1], mode="new", manifest={"recipe": "r", "model": "m"}, part_rows=10)
 for i in range(10**6):
     writer.write({"id": i, "text": "x" * 100, "finish_reason": "stop", "prompt_tokens": 1,

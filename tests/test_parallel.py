@@ -1,4 +1,4 @@
-"""engine.parallel: tensor parallel (DeepSpeed AutoTP), data-parallel shards, the launcher, failures.
+"""engine.scale (and engine.job.shards): tensor parallel (DeepSpeed AutoTP), data-parallel shards, the launcher, failures.
 
 The fast tests check the pieces without a model or processes: the rank grid, shard files, folding and
 merging outputs, merged reports, the supervisor, and the one-line refusals. The slow ones run the real
@@ -19,13 +19,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from engine import parallel
-from engine.config import load_recipe
+from engine.job import shards
+from engine.scale import launch as launching
+from engine.scale import topology
+from engine.config.loading import load_recipe
 from engine.errors import JobError
-from engine.io import OutputWriter
-from engine.job import JobOptions, output_manifest
-from engine.report import JobReport
-from engine.stats import EngineStats
+from engine.job.io.output import OutputWriter
+from engine.job.run import JobOptions, output_manifest
+from engine.job.report import JobReport
+from engine.core.stats import EngineStats
 from magicdec_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,33 +76,33 @@ def out_row(row_id, reason="stop"):
 def test_ranks_form_groups_of_consecutive_ranks(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "6")
     monkeypatch.setenv("RANK", "4")
-    topo = parallel.topology(tp=2, dp=3)
+    topo = topology.topology(tp=2, dp=3)
     assert (topo.group, topo.leader, topo.is_leader, topo.world) == (2, 4, True, 6)
     assert topo.ranks_of(1) == [2, 3]
     monkeypatch.setenv("RANK", "5")
-    assert not parallel.topology(tp=2, dp=None).is_leader, "dp defaults to world size / tp under a launcher"
-    assert parallel.topology(tp=2, dp=None).dp == 3
+    assert not topology.topology(tp=2, dp=None).is_leader, "dp defaults to world size / tp under a launcher"
+    assert topology.topology(tp=2, dp=None).dp == 3
 
 
 def test_world_size_must_be_tp_times_dp(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(JobError, match="--tp 2 does not divide the 3 processes"):
-        parallel.topology(tp=2, dp=None)
+        topology.topology(tp=2, dp=None)
     with pytest.raises(JobError, match=r"--tp 1 x --dp 2 = 2 processes, but the launcher started 3"):
-        parallel.topology(tp=1, dp=2)
+        topology.topology(tp=1, dp=2)
 
 
 def test_launch_is_needed_only_without_a_launcher(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert parallel.needs_launch(2, None) and parallel.needs_launch(1, 2)
-    assert not parallel.needs_launch(1, None) and not parallel.needs_launch(1, 1)
+    assert launching.needs_launch(2, None) and launching.needs_launch(1, 2)
+    assert not launching.needs_launch(1, None) and not launching.needs_launch(1, 1)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not parallel.needs_launch(2, None)
+    assert not launching.needs_launch(2, None)
 
 
 def test_worker_environment_is_what_deepspeed_needs(monkeypatch):
     monkeypatch.delenv("MAGICDEC_THREADS", raising=False)
-    env = parallel.worker_env(rank=1, world=2, port=29555, threads=1)
+    env = launching.worker_env(rank=1, world=2, port=29555, threads=1)
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                 "MAGICDEC_THREADS")} == {
         "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -130,9 +132,9 @@ def test_tp_beyond_the_kv_heads_is_one_line_exit_2(tmp_path, monkeypatch):
 
 def test_tp_checks_a_separate_draft_too():
     recipe = load_recipe("generic", ("model=llama-3.2-1b-shape", "draft.model=tiny-shape"))
-    parallel.check_tensor_parallel(recipe, tp=2, dp=1, local=2)  # 8 and 2 KV heads: fine
+    topology.check_tensor_parallel(recipe, tp=2, dp=1, local=2)  # 8 and 2 KV heads: fine
     with pytest.raises(JobError, match="draft.model tiny-shape has 2 KV heads"):
-        parallel.check_tensor_parallel(recipe, tp=4, dp=1, local=4)
+        topology.check_tensor_parallel(recipe, tp=4, dp=1, local=4)
 
 
 def test_world_size_mismatch_under_a_launcher_is_one_line_exit_2(tmp_path, monkeypatch):
@@ -158,11 +160,11 @@ def test_existing_output_or_shard_is_refused_before_launching(tmp_path, monkeypa
 
 def test_shard_names_keep_the_format_and_any_dp_is_found(tmp_path):
     out = tmp_path / "run.docqa.parquet"
-    assert parallel.shard_path(out, 3).name == "run.docqa.dp3.parquet"
+    assert shards.shard_path(out, 3).name == "run.docqa.dp3.parquet"
     for name in ("run.docqa.dp10.parquet", "run.docqa.dp2.parquet", "run.docqa.dp2.jsonl", "other.dp0.parquet",
                  "run.docqa.dp4.parquet.manifest.json", "run.docqa.dp2.parquet.report.json"):
         (tmp_path / name).write_text("")
-    assert [p.name for p in parallel.existing_shards(out)] == [
+    assert [p.name for p in shards.existing_shards(out)] == [
         "run.docqa.dp2.parquet", "run.docqa.dp4.parquet", "run.docqa.dp10.parquet"], "a manifest alone counts"
 
 
@@ -181,16 +183,16 @@ def test_resume_folds_every_shard_into_the_output_each_id_once(tmp_path):
     recipe = load_recipe("generic")
     manifest = output_manifest(recipe, opts.input)
     write_output(out, manifest, [out_row("r0")])
-    write_output(parallel.shard_path(out, 0), manifest, [out_row("r2"), out_row("r0")], half_line=True)
-    write_output(parallel.shard_path(out, 1), manifest, [out_row("r1", "error")])
-    write_output(parallel.shard_path(out, 2), manifest, [out_row("r5")])  # a run with dp 3 left this one
+    write_output(shards.shard_path(out, 0), manifest, [out_row("r2"), out_row("r0")], half_line=True)
+    write_output(shards.shard_path(out, 1), manifest, [out_row("r1", "error")])
+    write_output(shards.shard_path(out, 2), manifest, [out_row("r5")])  # a run with dp 3 left this one
 
-    settled = parallel.settle_outputs(opts, recipe, out, dp=2)
+    settled = shards.settle_outputs(opts, recipe, out, dp=2)
 
     assert sorted(texts_by_id(out)) == ["r0", "r1", "r2", "r5"]
     assert (settled.rows, settled.failed) == (4, 1)
     assert len(settled.done_ids) == 4
-    assert parallel.existing_shards(out) == [] and not list(tmp_path.glob("*.dp*"))
+    assert shards.existing_shards(out) == [] and not list(tmp_path.glob("*.dp*"))
 
 
 def test_killed_parquet_shards_are_folded_too(tmp_path):
@@ -198,13 +200,13 @@ def test_killed_parquet_shards_are_folded_too(tmp_path):
     out = Path(opts.output)
     recipe = load_recipe("generic")
     manifest = output_manifest(recipe, opts.input)
-    committed = OutputWriter(parallel.shard_path(out, 0), mode="new", manifest=manifest, part_rows=1)
+    committed = OutputWriter(shards.shard_path(out, 0), mode="new", manifest=manifest, part_rows=1)
     for row_id in ("r0", "r2"):
         committed.write(out_row(row_id))  # each row committed as a part; the writer is never closed
-    OutputWriter(parallel.shard_path(out, 1), mode="new", manifest=manifest)  # killed before any part
-    assert len(parallel.existing_shards(out)) == 2
+    OutputWriter(shards.shard_path(out, 1), mode="new", manifest=manifest)  # killed before any part
+    assert len(shards.existing_shards(out)) == 2
 
-    settled = parallel.settle_outputs(opts, recipe, out, dp=2)
+    settled = shards.settle_outputs(opts, recipe, out, dp=2)
 
     assert settled.rows == 2 and not list(tmp_path.glob("*.dp*"))
     import pyarrow.parquet as pq
@@ -217,10 +219,10 @@ def test_overwrite_removes_shards_and_new_refuses_them(tmp_path):
     out = Path(opts.output)
     recipe = load_recipe("generic")
     manifest = output_manifest(recipe, opts.input)
-    write_output(parallel.shard_path(out, 1), manifest, [out_row("r1")])
+    write_output(shards.shard_path(out, 1), manifest, [out_row("r1")])
     with pytest.raises(JobError, match="out.dp1.jsonl exists"):
-        parallel.settle_outputs(opts, recipe, out, dp=2)
-    settled = parallel.settle_outputs(options(tmp_path, mode="overwrite"), recipe, out, dp=2)
+        shards.settle_outputs(opts, recipe, out, dp=2)
+    settled = shards.settle_outputs(options(tmp_path, mode="overwrite"), recipe, out, dp=2)
     assert settled.rows == 0 and not list(tmp_path.glob("*.dp*"))
     assert out.exists() and read_jsonl(out) == [], "with dp > 1 the output is created up front"
 
@@ -229,9 +231,9 @@ def test_merge_appends_shards_and_reports_ids_two_groups_wrote(tmp_path):
     out = tmp_path / "out.jsonl"
     manifest = {"recipe": {}, "model": "m"}
     write_output(out, manifest, [out_row("old")])
-    write_output(parallel.shard_path(out, 0), manifest, [out_row("a"), out_row("dup")])
-    write_output(parallel.shard_path(out, 1), manifest, [out_row("b"), out_row("dup")])
-    dropped = parallel.merge_shards(out, manifest, parallel.existing_shards(out))
+    write_output(shards.shard_path(out, 0), manifest, [out_row("a"), out_row("dup")])
+    write_output(shards.shard_path(out, 1), manifest, [out_row("b"), out_row("dup")])
+    dropped = shards.merge_shards(out, manifest, shards.existing_shards(out))
     assert sorted(texts_by_id(out)) == ["a", "b", "dup", "old"]
     assert [row["id"] for row in dropped] == ["dup"]
     assert not list(tmp_path.glob("*.dp*"))
@@ -252,8 +254,8 @@ def group_part(rows_ok, decode_tokens, decode_s, accepted, drafted, latencies):
 
 def test_merged_report_adds_counts_and_recomputes_rates(tmp_path):
     parts = [group_part(3, 30, 2.0, 8, 10, [1.0, 2.0, 3.0]), group_part(2, 20, 4.0, 2, 10, [4.0, 5.0])]
-    settled = parallel.Settled(rows=1, failed=0)
-    summary, exit_code = parallel.merge_reports(parts, tmp_path / "out.jsonl", settled, dropped=[out_row("x")])
+    settled = shards.Settled(rows=1, failed=0)
+    summary, exit_code = shards.merge_reports(parts, tmp_path / "out.jsonl", settled, dropped=[out_row("x")])
     job, th, sp = summary["job"], summary["throughput"], summary["speculative"]
     assert (job["rows"], job["rows_ok"], job["rows_failed"], job["rows_resumed"]) == (6, 5, 1, 1)
     assert exit_code == 1 and summary["duplicate_ids"] == ["x"]
@@ -276,17 +278,26 @@ def sleeper(code_after: float | None = None, code: int = 0) -> subprocess.Popen:
 
 def test_supervisor_stops_everyone_when_one_worker_fails():
     procs = [sleeper(), sleeper(0.2, 3), sleeper()]
-    with pytest.raises(parallel.WorkersFailed) as failure:
-        parallel.supervise(procs)
+    with pytest.raises(launching.WorkersFailed) as failure:
+        launching.supervise(procs)
     assert failure.value.exit_code == 3 and "rank 1 exited with code 3" in failure.value.message
     assert all(p.poll() is not None for p in procs), "no worker outlives the job"
 
 
 def test_supervisor_returns_the_workers_code_when_all_finish():
-    assert parallel.supervise([sleeper(0.1, 0), sleeper(0.3, 1)]) == 1
+    assert launching.supervise([sleeper(0.1, 0), sleeper(0.3, 1)]) == 1
 
 
 # ------------------------------------------------------------------ end to end, 2 CPU processes
+
+
+FAULTS = ROOT / "tests" / "faults"  # its sitecustomize kills a rank when asked (tests only)
+
+
+def die_after_rows(rows: int) -> dict:
+    """The environment that makes a rank other than 0 die (exit 9) after `rows` rows (tests/faults)."""
+    return {"MAGICDEC_TEST_DIE_AFTER_ROWS": str(rows),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")]))}
 
 
 def magicdec(*args, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -354,7 +365,7 @@ def test_killed_tensor_parallel_rank_ends_the_job_and_resume_completes_it(tmp_pa
     args = ["generic", "-i", data, "-o", out, "--tp", "2", "--set", "draft.method=snapkv", *JOB,
             "--set", "batch.lookahead=1", "--quiet"]
     started = time.monotonic()
-    killed = magicdec(*args, env={parallel.DIE_AFTER_ROWS_ENV: "2"})
+    killed = magicdec(*args, env=die_after_rows(2))
     assert time.monotonic() - started < 120, "the job must not hang when a rank dies"
     assert killed.returncode not in (0, 1), killed.stderr
     assert "rank 1 exited with code 9" in killed.stderr and "--resume" in killed.stderr
@@ -374,14 +385,14 @@ def test_killed_data_parallel_group_resumes_across_groups(tmp_path, single_proce
     data = write_jsonl(tmp_path / "in.jsonl", ROWS)
     out = tmp_path / "dp.jsonl"
     args = ["generic", "-i", data, "-o", out, "--dp", "2", "--set", "draft.method=none", *JOB, "--quiet"]
-    killed = magicdec(*args, env={parallel.DIE_AFTER_ROWS_ENV: "1"})
+    killed = magicdec(*args, env=die_after_rows(1))
     assert killed.returncode not in (0, 1), killed.stderr
-    assert len(read_jsonl(parallel.shard_path(out, 1))) == 1, "group 1's finished row is kept in its shard"
+    assert len(read_jsonl(shards.shard_path(out, 1))) == 1, "group 1's finished row is kept in its shard"
 
     resumed = magicdec(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert texts_by_id(out) == single_process("none")
-    assert parallel.existing_shards(out) == []
+    assert shards.existing_shards(out) == []
     report = json.loads(Path(str(out) + ".report.json").read_text())
     assert report["job"]["rows"] == len(ROWS) and report["job"]["rows_resumed"] >= 1
 
@@ -398,7 +409,7 @@ def test_two_nodes_under_deepspeeds_launcher(tmp_path, single_process):
     world_info = base64.urlsafe_b64encode(json.dumps({"nodeA": [0, 1], "nodeB": [0, 1]}).encode()).decode()
     env = {**os.environ, "MAGICDEC_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    port = parallel._free_port()
+    port = launching._free_port()
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world_info}", f"--node_rank={node}",
          "--master_addr=127.0.0.1", f"--master_port={port}", "--no_local_rank", "--module", "magicdec_cli.main",

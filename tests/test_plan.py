@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import JobError
-from engine.gamma import best_gamma, relative_time
-from engine.plan import (ACCEPTANCE_PG19, HARDWARE, PAPER_CHECKS, hardware_profile, linear_params, measure_hardware,
-                         normalize_shapes, paper_rows, paper_tables_markdown, plan, shapes_for)
+from engine.spec.gamma import best_gamma, relative_time
+from engine.models.shapes import linear_params, normalize_shapes, shapes_for
+from engine.planning.hardware import HARDWARE, hardware_profile, measure_hardware
+from engine.planning.paper import ACCEPTANCE_PG19, PAPER_CHECKS, paper_rows, paper_tables_markdown
+from engine.planning.roofline import plan
 
 LLAMA_8B = shapes_for("llama-3.1-8b")
 CONTRACT_KEYS = ("gamma", "predicted_speedup", "acceptance", "t_target_ms", "t_draft_ms", "t_verify_ms")
@@ -38,7 +40,7 @@ def test_contract_keys_and_per_gamma_lists():
 
 
 def test_display_rows_are_label_value_strings():
-    from engine.plan import display_rows
+    from magicdec_cli.tables import display_rows
 
     rows = display_rows(run(method="pqcache"))
     assert rows and all(isinstance(label, str) and isinstance(value, str) for label, value in rows)
@@ -129,7 +131,7 @@ def test_pqcache_search_grows_with_batch_times_context_faster_than_streamingllm(
 
 
 def test_pq_search_bytes_per_position():
-    from engine.plan import pq_search_bytes
+    from engine.planning.roofline import pq_search_bytes
 
     assert pq_search_bytes(16, 8, "fused") == 16 + 4 + 4 * 4
     assert pq_search_bytes(16, 8, "torch") == 16 * (3 + 8 + 8 + 4 + 4) + 12 + 4 * 4
@@ -151,7 +153,7 @@ def test_separate_draft_model_is_cheaper_than_self_speculation_at_short_context(
 
 
 def test_shapes_match_model_shapes_and_llama_8b_parameter_count():
-    from engine.models import model_shapes
+    from engine.models.loading import model_shapes
 
     read = model_shapes("llama-3.1-8b-shape")
     ours = shapes_for("llama-3.1-8b")

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from conftest import make_tiny, random_prompts
-from engine import draft_forward
-from engine.config import recipe_from_dict
-from engine.engine import Engine
+from engine.spec.draft import forward as draft_forward
+from engine.config.loading import recipe_from_dict
+from engine.spec.decoder import build_engine
 from engine.errors import JobError
-from engine.models import LoadedModel
-from engine.sequence import Request, Sequence
+from engine.models.loading import LoadedModel
+from engine.core.sequence import Request, Sequence
 
 GAMMA = 4
 MAX_NEW = 40
@@ -32,16 +32,23 @@ def recipe(method: str, *, gamma=GAMMA, budget=64, temperature=0.0, size=4, line
     })
 
 
+SHORT_ROWS = (2, 3, 2, 3)  # max_new_tokens of extra rows (the first prompts again)
+
+
 def run(engine, prompts):
-    results = {r.request.index: r for r in engine.run(Request(i, i, p, MAX_NEW) for i, p in enumerate(prompts))}
-    return [results[i].token_ids for i in range(len(prompts))]
+    """Every row's tokens: each prompt with MAX_NEW new tokens, then the first prompts again stopping at
+    2 or 3 tokens, which ends them inside their first round's accepted run as soon as it accepts 1 or
+    2 drafts: a max_new_tokens cut inside an accepted run happens whatever the draft (checked below)."""
+    rows = [(p, MAX_NEW) for p in prompts] + [(prompts[i % len(prompts)], n) for i, n in enumerate(SHORT_ROWS)]
+    results = {r.request.index: r for r in engine.run(Request(i, i, p, n) for i, (p, n) in enumerate(rows))}
+    return [results[i].token_ids for i in range(len(rows))]
 
 
 @pytest.fixture(scope="module")
 def setup():
     loaded, _ = make_tiny(0)
     prompts = random_prompts(10, 20, 150)
-    plain = run(Engine(recipe("none"), loaded), prompts)
+    plain = run(build_engine(recipe("none"), loaded), prompts)
     # EOS: a token plain greedy emits mid-way in some rows, so rows stop at different times.
     counts = torch.bincount(torch.tensor([t for row in plain for t in row[3:30]]), minlength=512)
     eos = int(counts.argmax())
@@ -86,17 +93,17 @@ DRAFT_STEPS = [("transformers", "same"), ("transformers", "bfloat16"), ("lean", 
 def test_greedy_speculation_is_lossless(setup, cuts, monkeypatch, method, draft_kind, path, linear_dtype):
     loaded, prompts, eos = setup
     loaded.eos_token_ids = (eos,)
-    plain = run(Engine(recipe("none"), loaded), prompts)
+    plain = run(build_engine(recipe("none"), loaded), prompts)
     draft = noisy_copy(loaded, 0.005) if draft_kind == "separate" else None
     if path == "transformers":
         monkeypatch.setattr(draft_forward, "supports", lambda *args: False)
     elif not draft_forward.supports(loaded.model, torch.float32, loaded.device):
         pytest.skip("the lean draft forward needs the compiled CPU attention kernel")
-    engine = Engine(recipe(method, linear_dtype=linear_dtype), loaded, draft)
-    assert engine.draft_forward.path == path
-    assert engine.draft_forward.gemm_dtype == ("float32" if linear_dtype == "same" else linear_dtype)
+    engine = build_engine(recipe(method, linear_dtype=linear_dtype), loaded, draft)
+    assert engine.decoder.draft_forward.path == path
+    assert engine.decoder.draft_forward.gemm_dtype == ("float32" if linear_dtype == "same" else linear_dtype)
     # The lean draft reads StreamingLLM and SnapKV views from its compact bf16 store.
-    assert (engine.compressor.compact is not None) == (path == "lean" and method != "pqcache")
+    assert (engine.decoder.compressor.compact is not None) == (path == "lean" and method != "pqcache")
     cuts.clear()
     speculative = run(engine, prompts)
     assert speculative == plain
@@ -110,9 +117,9 @@ def test_greedy_speculation_is_lossless(setup, cuts, monkeypatch, method, draft_
 def test_speculation_with_fixed_gamma_one_and_auto(setup):
     loaded, prompts, eos = setup
     loaded.eos_token_ids = (eos,)
-    plain = run(Engine(recipe("none"), loaded), prompts)
-    assert run(Engine(recipe("streamingllm", gamma=1), loaded), prompts) == plain
-    auto = Engine(recipe_from_dict({**recipe("streamingllm").to_dict(), "spec": {"gamma": "auto", "replan_every": 4}}),
+    plain = run(build_engine(recipe("none"), loaded), prompts)
+    assert run(build_engine(recipe("streamingllm", gamma=1), loaded), prompts) == plain
+    auto = build_engine(recipe_from_dict({**recipe("streamingllm").to_dict(), "spec": {"gamma": "auto", "replan_every": 4}}),
                   loaded)
     assert run(auto, prompts) == plain
 
@@ -120,15 +127,15 @@ def test_speculation_with_fixed_gamma_one_and_auto(setup):
 def test_speculative_sampling_is_reproducible(setup):
     loaded, prompts, _ = setup
     loaded.eos_token_ids = (2,)
-    first = run(Engine(recipe("snapkv", temperature=0.9), loaded), prompts)
-    assert run(Engine(recipe("snapkv", temperature=0.9), loaded), prompts) == first
+    first = run(build_engine(recipe("snapkv", temperature=0.9), loaded), prompts)
+    assert run(build_engine(recipe("snapkv", temperature=0.9), loaded), prompts) == first
 
 
 def test_separate_draft_must_share_the_vocabulary(setup):
     loaded, _, _ = setup
     other, _ = make_tiny(0, vocab_size=600)
     with pytest.raises(JobError, match="vocabulary"):
-        Engine(recipe("streamingllm"), loaded, other)
+        build_engine(recipe("streamingllm"), loaded, other)
 
 
 @pytest.mark.real_model
@@ -142,8 +149,8 @@ def test_real_model_speculation_equals_plain(real_model, method):
     texts = [source[:1800] + "\n# What does dedent do?\n", source[2000:3600] + "\n# Summary:\n"]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     base = {"batch": {"size": 2, "max_len": 1024}, "sampling": {"max_new_tokens": 24}}
-    plain = run(Engine(recipe_from_dict({**base, "draft": {"method": "none"}}), real_model), prompts)
-    spec = Engine(recipe_from_dict({**base, "draft": {"method": method, "budget": 128, "window": 16, "sink": 8},
+    plain = run(build_engine(recipe_from_dict({**base, "draft": {"method": "none"}}), real_model), prompts)
+    spec = build_engine(recipe_from_dict({**base, "draft": {"method": method, "budget": 128, "window": 16, "sink": 8},
                                     "spec": {"gamma": 3}}), real_model)
     out = run(spec, prompts)
     assert out == plain

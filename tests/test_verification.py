@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling import sample_rows, uniform_rows
-from engine.verification import verify_greedy, verify_sampling
+from engine.core.sampling import sample_rows, uniform_rows
+from engine.spec.verification import verify_greedy, verify_sampling
 
 V = 6
 

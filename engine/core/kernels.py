@@ -1,0 +1,74 @@
+"""The fused CPU kernels (`engine/core/csrc`: attention, and the lean draft's small ops), compiled once
+per machine on first use.
+
+torch's C++ extension builder compiles them with the host's vector instructions (-march=native) into
+the cache folder, keyed by the sources and the CPU's flags, so a shared home directory never loads a
+build made for another CPU. If no compiler is available (or MAGICDEC_CPU_KERNEL=0), `load()` returns
+None and the engine uses the pure-torch attention, which gives the same results more slowly; with
+`MAGICDEC_REQUIRE_KERNEL=1` (the test suite sets it wherever a compiler exists, and under `CI=true`) a
+failed build raises instead, so it cannot hide behind the fallback. This module builds and loads;
+the attention module decides when to call the kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+from engine.cache_dir import cache_root, file_lock
+
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_attention.cpp", "cpu_draft_ops.cpp")]
+REQUIRE_ENV = "MAGICDEC_REQUIRE_KERNEL"  # "1": a failed build raises instead of falling back to torch
+_state: dict[str, object] = {}
+log = logging.getLogger(__name__)
+
+
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def compiler_available() -> bool:
+    """Whether a C++ compiler torch's extension builder would use is on this machine."""
+    return any(shutil.which(name) for name in (os.environ.get("CXX") or "c++", "g++", "clang++"))
+
+
+def load():
+    """The compiled module, or None when it cannot be built here (the reason is logged once)."""
+    if "module" in _state:
+        return _state["module"]
+    module = None
+    if os.environ.get("MAGICDEC_CPU_KERNEL", "1") != "0":
+        try:
+            module = _build()
+        except Exception as exc:  # noqa: BLE001 - any build failure falls back to torch
+            if os.environ.get(REQUIRE_ENV) == "1":
+                raise RuntimeError(f"the fused CPU kernel failed to build ({REQUIRE_ENV}=1)") from exc
+            log.warning("fused CPU attention unavailable, using the torch path: %s",
+                        str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+    _state["module"] = module
+    return module
+
+
+def _build():
+    import torch
+    from torch.utils.cpp_extension import load as load_extension
+
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(source + cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"magicdec_cpu_attention_{key}"
+    build_dir = cache_root() / "torch_extensions" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+    with file_lock(build_dir / "build.lock"):  # data-parallel ranks may start together
+        return load_extension(name=name, sources=[str(path) for path in SOURCES], extra_cflags=flags,
+                              extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)

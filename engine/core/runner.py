@@ -1,0 +1,55 @@
+"""A model bound to its KV cache: one forward of new tokens for a set of slots.
+
+`ModelRunner` sizes the cache from the model's (rank-local) attention shapes, so it works unchanged on
+a tensor-parallel shard, and calls transformers' model with the engine's `ForwardBatch` so that the
+registered attention reads and writes that cache. It knows nothing about sampling or scheduling.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from engine.core.attention import BATCH_KWARG, ForwardBatch
+from engine.core.kv_cache import KVCache
+from engine.models.loading import LoadedModel
+
+
+def attention_shapes(model: torch.nn.Module) -> tuple[int, int, int, int]:
+    """(layers, query heads, KV heads, head_dim) as this process holds them (local under TP)."""
+    layers = model.model.layers
+    attn = layers[0].self_attn
+    head_dim = attn.head_dim
+    heads = attn.q_proj.weight.shape[0] // head_dim
+    kv_heads = attn.k_proj.weight.shape[0] // head_dim
+    return len(layers), heads, kv_heads, head_dim
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, *, slots: int, capacity: int):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.layers, self.heads, self.kv_heads, self.head_dim = attention_shapes(self.model)
+        self.cache = KVCache(layers=self.layers, slots=slots, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                             capacity=capacity, dtype=loaded.dtype, device=loaded.device)
+
+    def with_module(self, module: torch.nn.Module) -> "ModelRunner":
+        """A runner of another module tree of the same shapes (a draft's low-precision twin) over this cache."""
+        twin = copy.copy(self)
+        twin.model = module
+        return twin
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, *, last_only: bool = False) -> torch.Tensor:
+        """tokens: [B, T] (row b's go to slot batch.slots[b] from position batch.starts[b]).
+
+        Returns float32 logits [B, T, vocab], or [B, 1, vocab] with last_only.
+        """
+        out = self.model(input_ids=tokens, position_ids=batch.positions, use_cache=False,
+                         logits_to_keep=1 if last_only else 0, **{BATCH_KWARG: batch})
+        return out.logits.float()

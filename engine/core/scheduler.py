@@ -1,0 +1,183 @@
+"""Continuous batching of requests over fixed KV-cache slots: admission, prefill, rounds, results.
+
+`Scheduler.run(requests)` pulls tokenised requests lazily, keeps a bounded look-ahead ordered by
+prompt length, admits a request into every free slot (its prompt prefilled into every cache the
+decoder keeps, see `engine.core.prefill`), then asks the `Decoder` for one round at a time over all
+active rows, and yields each `Result` the moment its row finishes, refilling the slot at once. Rows
+that cannot fit a slot come back as error results.
+
+How tokens are produced after prefill is the decoder's business: MagicDec's speculative rounds (and
+plain decoding, their gamma = 0 case) live in `engine.spec`, which builds a Scheduler around its
+decoder (`engine.spec.decoder.build_engine`). This module does not read files, format prompts,
+write output, or know what a draft is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import time
+from typing import Callable, Iterable, Iterator, Protocol
+
+import torch
+
+from engine.config.schema import Recipe, slot_capacity
+from engine.core.prefill import SlotListener, prefill_row
+from engine.core.prefix_store import PrefixStore
+from engine.core.runner import ModelRunner
+from engine.core.sampling import row_generator
+from engine.core.sequence import Request, Result, Sequence, error_result
+from engine.core.stats import EngineStats
+from engine.models.loading import LoadedModel
+
+
+@dataclasses.dataclass
+class PrefillTarget:
+    """A model whose cache holds every admitted row's prompt, who listens to its slots, and the store
+    of prefix K/V its rows may reuse."""
+
+    runner: ModelRunner
+    listener: SlotListener | None = None
+    store: PrefixStore | None = None
+
+
+@dataclasses.dataclass
+class RoundRecord:
+    """What one decoding round did, for observers (`bench` keeps steady-state figures from these)."""
+
+    rows: int  # active rows in the round
+    gamma: int  # draft tokens per row (0: plain decoding)
+    seconds: float  # the whole round
+    draft_s: float
+    verify_s: float
+    emitted: int  # tokens the rows kept
+
+
+class Decoder(Protocol):
+    """How the active rows advance after prefill (implemented by `engine.spec.decoder`)."""
+
+    prefill_targets: list[PrefillTarget]  # the target's cache first
+
+    def start(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Rows just prefilled: emit each one's first token from its prompt's last logits [B, vocab]."""
+
+    def step(self, seqs: list[Sequence]) -> RoundRecord:
+        """One round over every active row (each row's stop rules applied)."""
+
+    def release(self, slot: int) -> None:
+        """The row in `slot` finished: forget whatever the decoder keeps for it."""
+
+
+class Scheduler:
+    def __init__(self, recipe: Recipe, target: LoadedModel, decoder: Decoder, stats: EngineStats,
+                 *, on_round: Callable[[RoundRecord], None] | None = None):
+        """target: the loaded target model; decoder.prefill_targets[0].runner must be its runner."""
+        self.recipe = recipe
+        self.target_model = target
+        self.decoder = decoder
+        self.stats = stats
+        self.on_round = on_round
+        self.target = decoder.prefill_targets[0].runner
+        self.max_len, _ = slot_capacity(recipe, target.max_context)
+        self.free_slots = list(range(recipe.batch.size))
+        self.active: list[Sequence] = []
+
+    def run(self, requests: Iterable[Request]) -> Iterator[Result]:
+        """Generate for every request; results are yielded as rows finish (any order)."""
+        waiting = LookaheadQueue(requests, self.recipe.batch.lookahead, by_prefix=self.recipe.batch.prefix_reuse)
+        while True:
+            while self.free_slots and waiting:
+                request = waiting.pop()
+                problem = slot_problem(request, self.max_len)
+                if problem:
+                    yield error_result(request, problem)
+                    continue
+                seq = self.admit(request)
+                if seq.finished:
+                    yield self.release(seq)
+            if not self.active:
+                if not waiting:
+                    return
+                continue
+            record = self.decoder.step(self.active)
+            if self.on_round is not None:
+                self.on_round(record)
+            for seq in [s for s in self.active if s.finished]:
+                yield self.release(seq)
+
+    def admit(self, request: Request) -> Sequence:
+        slot = self.free_slots.pop(0)
+        sampling = self.recipe.sampling
+        generator = None if sampling.greedy else row_generator(sampling.seed, request.id, self.target.device)
+        seq = Sequence(request, slot, max_len=self.max_len, eos_ids=self.target_model.eos_token_ids,
+                       stop_strings=sampling.stop, tokenizer=self.target_model.tokenizer, generator=generator)
+        t0 = time.perf_counter()
+        logits = None
+        for index, target in enumerate(self.decoder.prefill_targets):
+            out, reused = prefill_row(target.runner, slot, request.prompt_ids, self.recipe.batch.prefill_chunk,
+                                      target.listener, target.store)
+            if index == 0:  # the target's own: the tokens the job computed or reused
+                logits = out
+                self.stats.prefill_tokens += seq.prompt_len - reused
+                self.stats.prefill_tokens_reused += reused
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.decoder.start([seq], logits)
+        self.active.append(seq)
+        return seq
+
+    def release(self, seq: Sequence) -> Result:
+        self.active.remove(seq)
+        self.target.cache.clear(seq.slot)
+        self.decoder.release(seq.slot)
+        self.free_slots.append(seq.slot)
+        return seq.result()
+
+
+def slot_problem(request: Request, max_len: int) -> str | None:
+    """Why a request cannot run in a slot of `max_len` tokens (prompt + output), or None."""
+    n = len(request.prompt_ids)
+    if n == 0:
+        return "the prompt is empty (0 tokens)"
+    need = n + request.max_new_tokens
+    if need > max_len:
+        return (f"prompt has {n} tokens; with max_new_tokens {request.max_new_tokens} it needs {need} "
+                f"> batch.max_len {max_len} (raise batch.max_len or set prompt.truncate: left)")
+    return None
+
+
+class LookaheadQueue:
+    """Reads at most `size` requests ahead of admission and hands them out in a useful order.
+
+    by_prefix (prefix reuse on): in token order, so rows sharing a prefix come out one after the other
+    and the first of them fills the prefix store for the rest; else the longest prompt first, which
+    keeps rows of similar length running together (their KV reads and finishing times line up).
+    Either way no more than `size` rows are held in memory.
+    """
+
+    def __init__(self, requests: Iterable[Request], size: int, *, by_prefix: bool = False):
+        self.source = iter(requests)
+        self.size = size
+        self.by_prefix = by_prefix
+        self.heap: list[tuple[object, int, Request]] = []
+        self.counter = itertools.count()
+        self.exhausted = False
+        self._fill()
+
+    def _fill(self) -> None:
+        while not self.exhausted and len(self.heap) < self.size:
+            try:
+                request = next(self.source)
+            except StopIteration:
+                self.exhausted = True
+                return
+            key = tuple(request.prompt_ids) if self.by_prefix else -len(request.prompt_ids)
+            heapq.heappush(self.heap, (key, next(self.counter), request))
+
+    def __bool__(self) -> bool:
+        return bool(self.heap)
+
+    def pop(self) -> Request:
+        request = heapq.heappop(self.heap)[2]
+        self._fill()
+        return request

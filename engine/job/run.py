@@ -1,0 +1,222 @@
+"""A batch job end to end: recipe + input file -> engine -> output rows + report.
+
+`run_job` checks everything that can be checked before any model is loaded (recipe, input file,
+output path, KV-cache memory), then streams input rows through the prompt builder into the engine,
+writes every finished row at once (crash-safe, resumable), and writes the report. Rows that are
+unusable become error records and the job goes on. Progress goes to a `ProgressSink` supplied by the
+caller (the CLI draws it with Rich); this module prints nothing and knows nothing about terminals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import AbstractSet, Any, Callable, Iterator, Protocol
+
+from engine.config.loading import load_recipe
+from engine.config.schema import Recipe
+from engine.core.attention import ATTN_NAME  # importing it registers the engine's attention with transformers
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Request, Result
+from engine.errors import JobError
+from engine.job.io.input import InputReader, open_input
+from engine.job.io.output import OutputWriter
+from engine.job.memory import check_memory
+from engine.job.prompts import PromptBuilder
+from engine.job.report import JobReport, prefix_summary
+from engine.job.report_render import write_report
+from engine.job.requests import row_verdicts
+from engine.models.loading import load_model
+from engine.spec.decoder import build_engine
+
+
+class ProgressSink(Protocol):
+    def start(self, total: int | None, done: int) -> None: ...
+    def update(self, report: JobReport, stats) -> None: ...
+    def finish(self) -> None: ...
+
+
+class NoProgress:
+    def start(self, total, done):
+        pass
+
+    def update(self, report, stats):
+        pass
+
+    def finish(self):
+        pass
+
+
+@dataclasses.dataclass
+class JobOptions:
+    recipe: str
+    input: str
+    output: str | None = None
+    report: str | None = None
+    overrides: tuple[str, ...] = ()
+    mode: str = "new"  # new | resume | overwrite
+    limit: int | None = None
+    tp: int = 1
+
+
+@dataclasses.dataclass
+class JobOutcome:
+    report: dict[str, Any]
+    report_path: Path
+    output_path: Path
+    exit_code: int
+    # The counters behind `report`, for merging the reports of data-parallel groups (engine.parallel).
+    job_report: JobReport | None = None
+    stats: Any = None  # engine.stats.EngineStats
+
+
+def default_output_path(input_path: Path, recipe: Recipe) -> Path:
+    """`<input stem>.<recipe name>.jsonl` next to the input (docs.jsonl.gz -> docs.docqa.jsonl)."""
+    name = input_path.name
+    for suffix in (".jsonl.gz", ".jsonl", ".parquet"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return input_path.with_name(f"{name}.{recipe.name}.jsonl")
+
+
+def default_report_path(output: Path) -> Path:
+    return Path(str(output) + ".report.json")
+
+
+def prepare(options: JobOptions) -> tuple[Recipe, InputReader, Path, Path]:
+    """Everything checked before loading a model; raises JobError (exit 2) with one line."""
+    recipe = load_recipe(options.recipe, options.overrides)
+    reader = open_input(options.input)
+    output = Path(options.output) if options.output else default_output_path(Path(options.input), recipe)
+    report = Path(options.report) if options.report else default_report_path(output)
+    if output.resolve() == Path(options.input).resolve():
+        raise JobError(f"{output}: the output would overwrite the input")
+    if reader.total == 0 or next(iter(reader), None) is None:
+        raise JobError(f"{options.input}: the input has no rows")
+    return recipe, reader, output, report
+
+
+def output_manifest(recipe: Recipe, input_path: str) -> dict[str, Any]:
+    """What an output depends on: resuming is refused if these differ (batch size, gamma, the draft
+    method and the like only change the speed, so they may change between runs)."""
+    full = recipe.to_dict()
+    affects = {k: full[k] for k in ("model", "dtype", "sampling", "prompt", "input", "output")}
+    return {"recipe": affects, "model": recipe.model, "recipe_name": recipe.name,
+            "input": str(Path(input_path).resolve()), "full_recipe": full}
+
+
+def load_engine(recipe: Recipe, parallel=None) -> Scheduler:
+    """Load the target (and a separate draft), shard them under tensor parallelism, build the engine."""
+    def load(spec: str):
+        return load_model(spec, attn_implementation=ATTN_NAME, dtype=recipe.dtype, device=recipe.device)
+
+    target = load(recipe.model)
+    draft = load(recipe.draft.model) if recipe.draft.method != "none" and recipe.draft.model else None
+    if parallel is None:
+        return build_engine(recipe, target, draft)
+    target, draft = parallel.shard(target, draft)
+    return build_engine(recipe, target, draft, sync=parallel.sync, agree=parallel.agree)
+
+
+def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parallel=None) -> JobOutcome:
+    """Run one job. `parallel` (an engine.scale.group.Group) shards the model, takes this group's share
+    of the rows and hands each request to the other tensor-parallel ranks; None = this process alone."""
+    progress = progress or NoProgress()
+    recipe, reader, output_path, report_path = prepare(options)
+    manifest = output_manifest(recipe, options.input)
+    check_memory(recipe, tp=options.tp)
+
+    def open_writer() -> OutputWriter:
+        return OutputWriter(output_path, mode=options.mode, manifest=manifest)
+
+    # An existing output is refused (or checked for --resume) before the model loads; --overwrite
+    # deletes the old output only once the model has loaded, so a failed load costs nothing.
+    writer = None if options.mode == "overwrite" else open_writer()
+    t0 = time.time()
+    try:
+        engine = load_engine(recipe, parallel)
+        target = engine.target_model
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        raise
+    writer = writer or open_writer()
+    report = JobReport(recipe=recipe.name, model=recipe.model, input=str(options.input), output=str(output_path),
+                       method=recipe.draft.method, budget=recipe.draft.budget, device=str(target.device),
+                       tp=options.tp, dp=parallel.dp if parallel is not None else 1, load_s=time.time() - t0)
+    decoder = engine.decoder
+    if decoder.draft_forward is not None:
+        report.draft_gemms = decoder.draft_forward.gemm_dtype
+    report.rows_resumed = len(writer.done_ids)
+    report.resumed_failed = writer.done_errors
+    report.kv_cache_bytes = engine.target.cache.nbytes + decoder.cache_bytes
+    if target.tokenizer is None:
+        raise JobError(f"model {recipe.model} has no tokenizer (random weights): time it with `magicdec bench`")
+    builder = PromptBuilder(recipe.prompt, target.tokenizer, max_prompt_len=engine.max_len)
+    total = reader.total if options.limit is None else min(options.limit, reader.total or options.limit)
+    keep_row, skip_ids = (parallel.keeps_row, parallel.skip_ids) if parallel is not None else (None, frozenset())
+    if parallel is not None and total is not None:
+        total = parallel.share_of(total)  # this data-parallel group's rows
+    with writer:
+        try:
+            progress.start(total, report.rows_resumed)
+            report.sample(engine.stats)
+            requests = _requests(reader, recipe, builder, engine.max_len, writer, report, options.limit,
+                                 keep_row, skip_ids | writer.done_ids)
+            if parallel is not None:
+                requests = parallel.publish(requests)  # the other tensor-parallel ranks get each one too
+            last_sample = time.time()
+            for result in engine.run(requests):
+                _write_result(writer, report, result)
+                progress.update(report, engine.stats)
+                if time.time() - last_sample > 1.0:
+                    report.sample(engine.stats)
+                    last_sample = time.time()
+            report.sample(engine.stats)
+        finally:
+            progress.finish()
+    report.prefix_reuse = prefix_summary(engine.decoder.prefill_targets[0].store)
+    summary = report.to_dict(engine.stats)
+    summary["job"]["input_rows_total"] = reader.total
+    write_report(summary, report_path)
+    return JobOutcome(summary, report_path, output_path, report.exit_code, job_report=report, stats=engine.stats)
+
+
+def _requests(reader: InputReader, recipe: Recipe, builder: PromptBuilder, max_len: int, writer: OutputWriter,
+              report: JobReport, limit: int | None, keep_row: Callable[[int], bool] | None,
+              skip_ids: AbstractSet[str]) -> Iterator[Request]:
+    """Input rows -> engine requests (`engine.job.requests`); unusable rows are written as error
+    records on the way, and duplicate ids are counted as failed and named in `duplicate_ids`."""
+    for verdict in row_verdicts(reader, recipe, builder, max_len, limit=limit, keep_row=keep_row,
+                                skip_ids=skip_ids):
+        if verdict.duplicate:
+            report.rows_failed += 1
+            report.extra.setdefault("duplicate_ids", []).append(verdict.id)
+        elif verdict.error is not None:
+            _write_error(writer, report, verdict.id, verdict.error, verdict.data, recipe)
+        else:
+            yield verdict.request
+
+
+def _write_error(writer: OutputWriter, report: JobReport, row_id: Any, message: str, data: dict,
+                 recipe: Recipe) -> None:
+    row = {"id": row_id, "text": None, "finish_reason": "error", "prompt_tokens": 0, "output_tokens": 0,
+           "error": message}
+    row.update({c: data.get(c) for c in recipe.output.keep_columns})
+    writer.write(row)
+    report.rows_failed += 1
+
+
+def _write_result(writer: OutputWriter, report: JobReport, result: Result) -> None:
+    row = {"id": result.request.id, "text": result.text, "finish_reason": result.finish_reason,
+           "prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens, "error": result.error}
+    row.update(result.request.extra)
+    writer.write(row)
+    if result.finish_reason == "error":
+        report.rows_failed += 1
+    else:
+        report.rows_ok += 1
+        report.latencies.append(result.latency_s)
+        report.first_token.append(result.first_token_s)

@@ -1,0 +1,89 @@
+"""SnapKV (Li et al. 2024) as a draft view: keep the prompt positions the last prompt queries attend to.
+
+At prefill the last `window` prompt tokens observe: per layer, the softmax attention of their queries
+(causal, scaled as the model scales it) over every prompt position is summed over the window and over
+the query heads of each GQA group, smoothed with a 1-D pool of `kernel_size`, and the top
+`budget - window` positions before the window are kept per KV head. Static afterwards: the draft reads
+those positions plus the newest `window` (the observation window at first, sliding as tokens come).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.spec.compressors.base import Compressor, FixedKeptView
+
+
+class SnapKV(Compressor):
+    name = "snapkv"
+    compact_store = True
+
+    def __init__(self, config, cache, num_heads):
+        super().__init__(config, cache, num_heads)
+        self.observe_window = config.window
+        self.keep = self.kept_entries(config)
+        # [layers, slots, kv_heads, keep]: the kept positions of each slot's prompt, ascending.
+        self.kept = torch.zeros(cache.layers, cache.slots, cache.kv_heads, max(self.keep, 1),
+                                dtype=torch.long, device=cache.device)
+        self.kept_count = torch.zeros(cache.slots, dtype=torch.long, device=cache.device)
+        self.kept_end = torch.zeros(cache.slots, dtype=torch.long, device=cache.device)
+
+    def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None) -> None:
+        assert observed is not None, "SnapKV needs the observation window's queries"
+        window = observed.shape[2]
+        region = prompt_len - window  # candidates: positions before the observation window
+        count = min(self.keep, max(region, 0))
+        self.kept_end[slot] = max(region, 0)
+        self.kept_count[slot] = count
+        if count:
+            with self.timer:
+                for layer in range(self.cache.layers):
+                    keys = self.cache.k[layer, slot, :, :prompt_len]  # [kv_heads, prompt_len, D]
+                    scores = window_scores(observed[layer], keys, prompt_len)[:, :region]  # [kv_heads, region]
+                    pooled = pool_scores(scores, self.config.kernel_size, self.config.pooling)
+                    top = pooled.topk(count, dim=-1).indices.sort(dim=-1).values  # [kv_heads, count]
+                    self.kept[layer, slot, :, :count] = top
+        if self.compact is not None:
+            recent_start = max(region, 0, prompt_len - (self.budget - count))
+            self.compact.fill(slot, self.kept[:, slot, :, :count], recent_start, prompt_len)
+
+    @staticmethod
+    def kept_entries(config) -> int:
+        return max(config.budget - config.window, 0)
+
+    def view(self, slots: list[int], ends: list[int]) -> FixedKeptView:
+        device = self.cache.device
+        index = torch.tensor(slots, dtype=torch.long, device=device)
+        ends_t = torch.tensor(ends, dtype=torch.long, device=device)
+        return FixedKeptView(lambda layer: self.kept[layer].index_select(0, index),
+                             self.kept_count.index_select(0, index), self.kept_end.index_select(0, index),
+                             ends_t, self.budget, self.timer, layer_invariant=False, slots=index,
+                             compact=self.compact)
+
+
+def window_scores(queries: torch.Tensor, keys: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Attention mass each position receives from the observation window, per KV head.
+
+    queries: [heads, window, D] (the last `window` prompt positions, post-RoPE); keys: [kv_heads, P, D].
+    Returns [kv_heads, P]: softmax(q k / sqrt(D)) summed over the window and the group's query heads.
+    """
+    heads, window, D = queries.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    q = queries.float().reshape(kv_heads, group * window, D)  # heads of a group are contiguous
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * D ** -0.5  # [kv_heads, group * window, P]
+    query_pos = prompt_len - window + torch.arange(window, device=keys.device)  # [window]
+    future = torch.arange(prompt_len, device=keys.device)[None, :] > query_pos[:, None]  # [window, P]
+    logits = logits.view(kv_heads, group, window, prompt_len).masked_fill(future, float("-inf"))
+    return logits.softmax(dim=-1).sum(dim=(1, 2))  # [kv_heads, P]
+
+
+def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
+    """1-D pooling along positions, same length out. scores: [kv_heads, N] -> [kv_heads, N]."""
+    if kernel_size == 1:
+        return scores
+    pad = kernel_size // 2
+    if pooling == "maxpool":
+        return F.max_pool1d(scores[:, None], kernel_size, stride=1, padding=pad)[:, 0]
+    return F.avg_pool1d(scores[:, None], kernel_size, stride=1, padding=pad, count_include_pad=True)[:, 0]

@@ -1,0 +1,127 @@
+"""One decoding round over every active row: draft gamma tokens, verify gamma + 1, accept, roll back.
+
+Drafting runs gamma batched forwards of the draft (the target's own weights reading a compressor's
+view of the target cache, or a separate model reading a view of its own cache); verification is one
+target forward of the pending token plus the drafts. Each row then keeps its own accepted prefix
+and the target's next token, both caches are cut back to what that row committed, and the row's own
+stopping rules cut the emitted tokens (so one row's EOS never stops another). gamma = 0 is plain
+decoding through the very same path. Scheduling and prefill live in `engine.core`; the decoder that
+chooses gamma and drives these rounds is `engine.spec.decoder`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.core.attention import ForwardBatch
+from engine.config.schema import SamplingConfig
+from engine.spec.compressors.base import Compressor
+from engine.core.runner import ModelRunner
+from engine.core.sampling import sample_rows, warp
+from engine.core.sequence import Sequence
+from engine.core.stats import EngineStats
+from engine.spec.verification import verify_greedy, verify_sampling
+
+
+class RoundRunner:
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None, compressor: Compressor | None,
+                 sampling: SamplingConfig, stats: EngineStats, sync=None, draft_forward=None):
+        """draft_forward: the draft step (with a draft), (tokens [B, T], ForwardBatch) -> last-token
+        logits [B, vocab]: `engine.draft_forward`."""
+        self.target = target
+        self.draft = draft
+        self.draft_forward = draft_forward
+        self.compressor = compressor
+        self.self_speculation = draft is target
+        self.sampling = sampling
+        self.stats = stats
+        self.sync = sync or (lambda t: t)  # tensor parallel: make every rank use rank 0's tokens
+
+    def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next tokens from logits [B, vocab]: argmax, or a sample (also returning the probs)."""
+        if self.sampling.greedy:
+            return self.sync(logits.argmax(dim=-1)), None
+        probs = warp(logits, self.sampling)
+        return self.sync(sample_rows(probs, [s.generator for s in seqs])), probs
+
+    def run(self, seqs: list[Sequence], gamma: int) -> tuple[float, float, list[int]]:
+        """Advance every row by one round; returns (draft seconds, verify seconds, accepted per row)."""
+        device = self.target.device
+        cache = self.target.cache
+        slots = [s.slot for s in seqs]
+        lengths = [cache.lengths[slot] for slot in slots]  # committed positions before the round
+        pending = torch.tensor([s.pending_token for s in seqs], dtype=torch.long, device=device)  # [B]
+
+        t0 = time.perf_counter()
+        drafts, draft_probs = self._draft(seqs, slots, lengths, pending, gamma) if gamma else ([], [])
+        self._wait(device)
+        t1 = time.perf_counter()
+
+        tokens = torch.stack([pending, *drafts], dim=1)  # [B, gamma + 1]
+        batch = ForwardBatch(cache, slots, lengths, gamma + 1)
+        logits = self.target.forward(tokens, batch)  # [B, gamma + 1, vocab]
+        draft_tokens = tokens[:, 1:]  # [B, gamma]
+        if self.sampling.greedy:
+            accepted, next_token = verify_greedy(logits, draft_tokens)
+        else:
+            q = torch.stack(draft_probs, dim=1) if gamma else logits.new_zeros(len(seqs), 0, logits.shape[-1])
+            accepted, next_token = verify_sampling(warp(logits, self.sampling), q, draft_tokens,
+                                                   [s.generator for s in seqs])
+        accepted, next_token = self.sync(accepted), self.sync(next_token)
+        self._wait(device)
+        t2 = time.perf_counter()
+
+        accepted_list = accepted.tolist()
+        draft_rows = draft_tokens.tolist()
+        next_list = next_token.tolist()
+        emitted = 0
+        for b, seq in enumerate(seqs):
+            a = accepted_list[b]
+            emitted += seq.extend(draft_rows[b][:a] + [next_list[b]])
+            committed = lengths[b] + 1 + a  # the pending token and the accepted drafts
+            cache.set_length(seq.slot, committed)
+            if self.draft is not None and not self.self_speculation:
+                # The draft recomputes its newest committed position at the start of every round.
+                self.draft.cache.set_length(seq.slot, committed - 1)
+            if self.compressor is not None and not seq.finished:
+                self.compressor.committed(seq.slot, self.draft.cache.lengths[seq.slot])
+        self.stats.record_round(gamma=gamma, rows=len(seqs), accepted=accepted_list if gamma else [],
+                                emitted=emitted)
+        draft_s, verify_s = t1 - t0, t2 - t1
+        self.stats.draft_s += draft_s
+        self.stats.verify_s += verify_s
+        if self.compressor is not None:
+            self.stats.select_s += self.compressor.timer.take()
+        return draft_s, verify_s, accepted_list
+
+    @staticmethod
+    def _wait(device: torch.device) -> None:
+        """On a GPU, let queued kernels finish so the draft/verify timings (and gamma) are true."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _draft(self, seqs, slots, lengths, pending, gamma):
+        """gamma draft tokens per row: lists of [B] tokens and (when sampling) [B, vocab] probs."""
+        assert self.draft is not None and self.compressor is not None, "speculation needs a draft"
+        device = pending.device
+        if self.self_speculation:
+            # The draft writes its (approximate) K/V for the speculative positions into the target
+            # cache, past the committed length; verification overwrites exactly those positions.
+            current, starts = pending[:, None], list(lengths)
+        else:
+            previous = torch.tensor([s.last_context_token for s in seqs], dtype=torch.long, device=device)
+            current, starts = torch.stack([previous, pending], dim=1), [n - 1 for n in lengths]
+        drafts, probs = [], []
+        for _ in range(gamma):
+            width = current.shape[1]
+            ends = [s + width for s in starts]
+            batch = ForwardBatch(self.draft.cache, slots, starts, width, view=self.compressor.view(slots, ends))
+            logits = self.draft_forward(current, batch)  # [B, vocab]
+            token, p = self.choose(logits, seqs)
+            drafts.append(token)
+            if p is not None:
+                probs.append(p)
+            current, starts = token[:, None], ends
+        return drafts, probs

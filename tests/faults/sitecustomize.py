@@ -1,0 +1,56 @@
+"""Fault injection for the multi-process tests, loaded only by their worker processes (the tests put
+this folder on PYTHONPATH): with MAGICDEC_TEST_DIE_AFTER_ROWS=N, a rank other than 0 kills itself
+(os._exit(9)) after N rows, the way a crashed or OOM-killed worker disappears. A group leader dies
+right after writing its N-th row; a tensor-parallel follower at the first request it pulls after
+its engine finished N rows. Nothing in magicdec itself knows about this."""
+
+import os
+
+DIE_AFTER = int(os.environ.get("MAGICDEC_TEST_DIE_AFTER_ROWS", "0") or 0)
+
+if DIE_AFTER and os.environ.get("RANK", "0") not in ("", "0"):
+    from engine.scale import run as _scale_run
+
+    _run_job, _load_engine = _scale_run.run_job, _scale_run.load_engine
+
+    class _DieAfterRows:
+        """The leader's progress sink, wrapped: it is told of every row once that row is written."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def start(self, total, done):
+            self.inner.start(total, done)
+
+        def update(self, report, stats):
+            self.inner.update(report, stats)
+            if report.rows_ok + report.rows_failed >= DIE_AFTER:
+                os._exit(9)
+
+        def finish(self):
+            self.inner.finish()
+
+    def _dying_run_job(options, progress=None, **kwargs):
+        return _run_job(options, _DieAfterRows(progress), **kwargs)
+
+    def _dying_load_engine(*args, **kwargs):
+        engine = _load_engine(*args, **kwargs)
+        run = engine.run
+
+        def dying_run(requests):
+            finished = 0
+
+            def pulls():
+                for request in requests:
+                    yield request
+                    if finished >= DIE_AFTER:
+                        os._exit(9)
+
+            for result in run(pulls()):
+                finished += 1
+                yield result
+
+        engine.run = dying_run
+        return engine
+
+    _scale_run.run_job, _scale_run.load_engine = _dying_run_job, _dying_load_engine
