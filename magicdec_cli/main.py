@@ -194,7 +194,7 @@ def bench(
     model: Annotated[str, typer.Option("--model", help="Model to time: a recipe model, or <name>-shape (random weights, e.g. llama-3.1-8b-shape).")] = DEFAULT_MODEL,
     batch: Annotated[str, typer.Option("--batch", help="Batch sizes, comma-separated.")] = "16",
     context: Annotated[str, typer.Option("--context", help="Context lengths, comma-separated.")] = "4096",
-    methods: Annotated[str, typer.Option("--methods", help="none,streamingllm,snapkv,pqcache (any subset).")] = "none,streamingllm,snapkv,pqcache",
+    methods: Annotated[str, typer.Option("--methods", help="none,streamingllm,snapkv,pqcache,guided (any subset).")] = "none,streamingllm,snapkv,pqcache,guided",
     budget: Annotated[str, typer.Option("--budget", help="Draft budgets, comma-separated.")] = "512",
     gamma: Annotated[str, typer.Option("--gamma", help="Speculation lengths, comma-separated ints and/or auto.")] = "2,3",
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=2)] = 64,

@@ -37,8 +37,9 @@ def markdown(result: dict[str, Any]) -> str:
     spec = [r for r in rows if r["method"] != "none"]
     if spec:
         lines += ["", "| batch | context | method | budget | draft GEMMs | gamma | tok/s | speedup | steady speedup "
-                  "| plan's speedup | acceptance | mean accepted length | T_D/T_T | T_V/T_T | same as plain |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| plan's speedup | acceptance | mean accepted length | T_D/T_T | T_V/T_T | selection per round (ms) "
+                  "| same as plain |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in spec:
             lines.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['budget']} | {r['draft_gemms']} | "
                          f"{r['gamma']} | "
@@ -46,6 +47,7 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{r['predicted_speedup']:.2f}x | "
                          f"{r['acceptance_rate']:.2f} | {r['mean_accepted_length']:.2f} | "
                          f"{r['t_draft_over_t_target']:.2f} | {r['t_verify_over_t_target']:.2f} | "
+                         f"{r.get('select_ms_per_round', 0.0):.1f} | "
                          f"{r.get('identical_to_plain', '-')}/{r['batch']} |")
     paper = result.get("at_paper_acceptance") or []
     if paper:

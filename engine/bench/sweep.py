@@ -6,7 +6,8 @@ defaults except what a flag sets. One process, one run. The first configuration 
 prompts; their K/V then stay in a prefix store shared by every configuration (`engine.core.
 prefix_store`), so later ones reuse them instead of prefilling again (for a shorter context, the
 first L tokens of the same prompts). Per configuration: prefill tokens/s, decode tokens/s, T_T
-(a plain round), T_D (one draft step), T_V (a verify forward), acceptance, and `plan`'s prediction
+(a plain round), T_D (one draft step), T_V (a verify forward), the compressor's selection per round,
+acceptance, and `plan`'s prediction
 at the measured acceptance, the step times taken from the rounds in which every row was still
 generating ("steady", what a long job sustains, since it refills freed slots at once).
 transformers' own decode step is timed on the same rows' K/V. Greedy speculative outputs are
@@ -185,6 +186,9 @@ class Bench:
             "t_draft_ms": 1e3 * tally.draft_s / tally.draft_steps if tally.draft_steps else 0.0,
             "t_verify_ms": 1e3 * tally.verify_s / tally.rounds if tally.rounds else 0.0,
             "select_s": stats.select_s,
+            # the compressor's selection per round (PQCache's search over its draft steps, the guided
+            # re-selection after verification), prefill excluded
+            "select_ms_per_round": 1e3 * stats.round_select_s / stats.rounds if stats.rounds else 0.0,
         }
         key = (batch, context)
         if method == "none":
@@ -236,6 +240,7 @@ class Bench:
                     row["steady_speedup"] = row["steady_tokens_per_s"] / plain["steady_tokens_per_s"]
                     row["t_draft_over_t_target"] = row["t_draft_ms"] / plain["t_target_ms"]
                     row["t_verify_over_t_target"] = row["t_verify_ms"] / plain["t_target_ms"]
+                    row["select_over_t_target"] = row["select_ms_per_round"] / plain["t_target_ms"]
                     row["predicted_speedup"] = self._predict(shapes, hardware, row, element)
                     self.rows.append(row)
                     log(_line(row))
@@ -315,4 +320,5 @@ def _line(row: dict[str, Any]) -> str:
             f"x{row['speedup']:.2f} (steady x{row['steady_speedup']:.2f}, plan x{row['predicted_speedup']:.2f})  "
             f"acc {row['acceptance_rate']:.2f}  "
             f"T_D/T_T {row['t_draft_over_t_target']:.2f}  T_V/T_T {row['t_verify_over_t_target']:.2f}  "
+            f"select {row['select_ms_per_round']:.1f} ms/round  "
             f"same {row.get('identical_to_plain', '-')}/{row['batch']}")

@@ -200,10 +200,12 @@ def _validate(r: Recipe, source: str) -> None:
         fail("draft.sink", f"({d.sink}) must be smaller than draft.budget ({d.budget})")
     if d.method == "snapkv" and d.window > d.budget:
         fail("draft.window", f"({d.window}) must not exceed draft.budget ({d.budget})")
-    if d.method == "pqcache" and d.sink + d.window >= d.budget:
+    if d.method in ("pqcache", "guided") and d.sink + d.window >= d.budget:
         fail("draft.budget", f"({d.budget}) must exceed draft.sink + draft.window ({d.sink + d.window})")
     if d.linear_dtype not in LINEAR_DTYPES:
         fail("draft.linear_dtype", f"must be {_one_of(LINEAR_DTYPES)}, got {d.linear_dtype!r}")
+    if not 0.0 <= d.smoothing < 1.0:
+        fail("draft.smoothing", f"must be in [0, 1), got {d.smoothing!r}")
     if d.pooling not in POOLINGS:
         fail("draft.pooling", f"must be {_one_of(POOLINGS)}, got {d.pooling!r}")
     if not 1 <= d.bits <= 12:

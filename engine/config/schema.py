@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the packaged default (engine.models.registry knows where it lives)
-DRAFT_METHODS = ("none", "streamingllm", "snapkv", "pqcache")  # draft.method; engine.spec.compressors has one per method but none
+DRAFT_METHODS = ("none", "streamingllm", "snapkv", "pqcache", "guided")  # draft.method; engine.spec.compressors has one per method but none
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # dtype
 DEVICES = ("auto", "cpu", "cuda")  # device (also cuda:N)
 LINEAR_DTYPES = ("auto", "same", "bfloat16", "float16", "float32", "int8")  # draft.linear_dtype
@@ -24,13 +24,14 @@ TRUNCATIONS = ("error", "left")  # prompt.truncate
 
 @dataclass(frozen=True)
 class DraftConfig:
-    method: str = "streamingllm"  # none | streamingllm | snapkv | pqcache
+    method: str = "streamingllm"  # none | streamingllm | snapkv | pqcache | guided
     model: str | None = None  # None: self-speculation (target weights, compressed KV)
     budget: int = 512  # KV entries the draft reads per sequence, per layer, per KV head
-    sink: int = 16  # streamingllm / pqcache: first tokens always kept (attention sinks)
-    window: int = 32  # snapkv: observation window; pqcache: recent window always kept
-    kernel_size: int = 5  # snapkv: 1-D pooling kernel over the scores
-    pooling: str = "avgpool"  # snapkv: avgpool | maxpool
+    sink: int = 16  # streamingllm / pqcache / guided: first tokens always kept (attention sinks)
+    window: int = 32  # snapkv: observation window; pqcache / guided: recent window always kept (guided: also its prefill observation window)
+    kernel_size: int = 5  # snapkv / guided (at prefill): 1-D pooling kernel over the scores
+    pooling: str = "avgpool"  # snapkv / guided (at prefill): avgpool | maxpool
+    smoothing: float = 0.0  # guided: weight of the previous round's scores, score = s * previous + (1 - s) * this round's
     subspaces: int = 16  # pqcache: sub-vectors per key (must divide head_dim)
     bits: int = 8  # pqcache: log2 of centroids per sub-space
     kmeans_iters: int = 6  # pqcache: Lloyd iterations at prefill

@@ -16,6 +16,10 @@ Backends (all held against `reference_attention` in the tests):
   `cache_seqlens` and `cache_batch_idx`.
 - `attend_view`: the draft's compressed view: gathers the selected positions (budget-sized, small)
   and attends to them with an explicit mask.
+A forward over the whole cache may also ask for each position's attention mass (`ForwardBatch.mass`,
+the guided draft's scores, from the verification pass): the fused kernel's `attend_cached_scores`
+returns it from its one pass over K/V where the loaded build has that entry point; otherwise (and on
+CUDA, whose flash-attn path cannot return it) the torch path computes it from its explicit softmax.
 This module does not choose positions (compressors do) nor run models (the engine does).
 """
 
@@ -67,6 +71,10 @@ class ForwardBatch:
     view: DraftView | None = None  # None: attend to all cached positions (causal among the new ones)
     observer: QueryObserver | None = None
     write_kv: bool = True
+    # With view None: [layers, B, kv_heads, N] float32, N >= every row's end; each layer writes
+    # mass[layer, b, h, p] = the softmax probability position p gets, summed over KV head h's query
+    # heads and the new tokens (0 for p >= ends[b]). The guided draft's scores.
+    mass: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         device = self.cache.device
@@ -81,6 +89,9 @@ class ForwardBatch:
         for slot, end in zip(self.slots, self.ends):
             if end > self.cache.capacity:
                 raise ValueError(f"slot {slot}: position {end - 1} beyond cache capacity {self.cache.capacity}")
+        if self.mass is not None:
+            assert self.view is None, "attention mass comes from a forward over the whole cache"
+            assert self.mass.shape[-1] >= max(self.ends), "the mass buffer must cover every row's positions"
 
 
 def magicdec_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
@@ -102,13 +113,25 @@ def magicdec_attention(module, query, key, value, attention_mask=None, scaling=N
                                       positions, valid)
         else:
             out = attend_view(query, cache.k[layer], cache.v[layer], batch, positions, valid, scale)
-    elif flash_attn_with_kvcache is not None and query.is_cuda:
-        out = attend_cached_flash(query, cache.k[layer], cache.v[layer], batch, scale)
-    elif _fused_ok(query, cache) and (kernel := cpu_kernels.load()) is not None:
-        out = attend_cached_fused(kernel, query, cache.k[layer], cache.v[layer], batch, scale)
     else:
-        out = attend_cached_torch(query, cache.k[layer], cache.v[layer], batch, scale)
+        out = attend_full(query, layer, batch, scale)
     return out, None
+
+
+def attend_full(query: torch.Tensor, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """Every row's new tokens over its whole cached prefix, by the best backend here; with
+    `batch.mass`, also that layer's attention mass. query: [B, heads, T, D] -> [B, T, heads, D]."""
+    cache = batch.cache
+    k_layer, v_layer = cache.k[layer], cache.v[layer]
+    mass = batch.mass[layer] if batch.mass is not None else None  # [B, kv_heads, N]
+    if mass is None and flash_attn_with_kvcache is not None and query.is_cuda:
+        return attend_cached_flash(query, k_layer, v_layer, batch, scale)
+    if _fused_ok(query, cache) and (kernel := cpu_kernels.load()) is not None:
+        if mass is None:
+            return attend_cached_fused(kernel, query, k_layer, v_layer, batch, scale)
+        if hasattr(kernel, "attend_cached_scores"):
+            return attend_cached_fused(kernel, query, k_layer, v_layer, batch, scale, mass=mass)
+    return attend_cached_torch(query, k_layer, v_layer, batch, scale, mass=mass)
 
 
 def _register() -> None:
@@ -127,16 +150,20 @@ def _fused_ok(query: torch.Tensor, cache: KVCache) -> bool:
 
 def attend_cached_fused(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
                         batch: ForwardBatch, scale: float, positions: torch.Tensor | None = None,
-                        valid: torch.Tensor | None = None) -> torch.Tensor:
+                        valid: torch.Tensor | None = None, mass: torch.Tensor | None = None) -> torch.Tensor:
     """The fused C++ kernel, over the whole cached prefix or over listed positions ([B, kv_heads, N]).
 
-    Same contract as `attend_cached_torch` / `attend_view`: returns [B, T, heads, D].
+    Same contract as `attend_cached_torch` / `attend_view`: returns [B, T, heads, D]. mass (whole
+    prefix only): [B, kv_heads, N] filled from the kernel's `attend_cached_scores`, the same pass.
     """
     B, H, T, D = query.shape
     kv_heads = k_layer.shape[1]
     q = (query * scale).reshape(B, kv_heads, (H // kv_heads) * T, D)  # heads of a group, token fastest
     ends = batch.start_tensor + T
-    if positions is None:
+    if mass is not None:
+        out, scores = kernel.attend_cached_scores(q, k_layer, v_layer, batch.slot_tensor, ends, T, mass.shape[-1])
+        mass.copy_(scores)  # scores: [B, kv_heads, N]
+    elif positions is None:
         out = kernel.attend_cached(q, k_layer, v_layer, batch.slot_tensor, ends, T)
     else:
         out = kernel.attend_positions(q, k_layer, v_layer, batch.slot_tensor, ends, T,
@@ -145,11 +172,12 @@ def attend_cached_fused(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_la
 
 
 def attend_cached_torch(query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
-                        batch: ForwardBatch, scale: float) -> torch.Tensor:
+                        batch: ForwardBatch, scale: float, mass: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each row's new tokens over its own cached prefix (ragged lengths, no padding).
 
     query: [B, heads, T, head_dim]; k_layer, v_layer: [slots, kv_heads, capacity, head_dim].
-    Returns [B, T, heads, head_dim].
+    mass: None, or [B, kv_heads, N] to fill with each position's probability summed over the group's
+    query heads and the T tokens (zeros past a row's end). Returns [B, T, heads, head_dim].
     """
     B, H, T, D = query.shape
     kv_heads = k_layer.shape[1]
@@ -165,8 +193,11 @@ def attend_cached_torch(query: torch.Tensor, k_layer: torch.Tensor, v_layer: tor
         scores = torch.matmul(q, k.transpose(-1, -2))  # [kv_heads, group * T, end]
         if causal is not None:
             scores.view(kv_heads, group, T, end)[..., end - T:].masked_fill_(causal, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        o = torch.matmul(probs, v)  # [kv_heads, group * T, D]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        if mass is not None:
+            mass[row, :, :end] = probs.sum(dim=1)  # [kv_heads, end]
+            mass[row, :, end:] = 0
+        o = torch.matmul(probs.to(v.dtype), v)  # [kv_heads, group * T, D]
         out[row] = o.view(H, T, D).transpose(0, 1)
     return out
 

@@ -52,6 +52,7 @@ class RoundRecord:
     draft_s: float
     verify_s: float
     emitted: int  # tokens the rows kept
+    select_s: float = 0.0  # a selection after verification (the guided view's), not in draft_s / verify_s
 
 
 class Decoder(Protocol):

@@ -29,7 +29,8 @@ class EngineStats:
     gamma_sum: int = 0  # sum over rounds of gamma (0 for plain rounds)
     spec_rounds: int = 0  # rounds with gamma >= 1
     draft_s: float = 0.0  # draft forwards, including the compressor's selection
-    select_s: float = 0.0  # the compressor's selection alone (PQCache's per-step search)
+    select_s: float = 0.0  # the compressor's selection alone (PQCache's per-step search), prefill included
+    round_select_s: float = 0.0  # the part of select_s spent in decode rounds (PQCache's search, the guided re-selection)
     verify_s: float = 0.0
     position_proposed: list[int] = dataclasses.field(default_factory=list)
     position_accepted: list[int] = dataclasses.field(default_factory=list)
@@ -87,6 +88,7 @@ class EngineStats:
             "accepted_length_histogram": list(self.accepted_histogram),
             "draft_s": self.draft_s,
             "select_s": self.select_s,
+            "round_select_s": self.round_select_s,
             "verify_s": self.verify_s,
             "rounds": self.rounds,
             "spec_rounds": self.spec_rounds,

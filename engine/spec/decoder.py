@@ -72,12 +72,14 @@ class SpeculativeDecoder:
         gamma = self.agree(self.policy.next_gamma())
         before = self.stats.decode_tokens
         t0 = time.perf_counter()
-        draft_s, verify_s, accepted = self.rounds.run(seqs, gamma)
+        draft_s, verify_s, select_s, accepted = self.rounds.run(seqs, gamma)
         seconds = time.perf_counter() - t0
         self.stats.decode_s += seconds
-        self.policy.observe(gamma=gamma, rows=len(seqs), draft_s=draft_s, verify_s=verify_s, accepted=accepted)
+        # A selection after verification (the guided view) is a per-round cost, like verification's.
+        self.policy.observe(gamma=gamma, rows=len(seqs), draft_s=draft_s, verify_s=verify_s + select_s,
+                            accepted=accepted)
         return RoundRecord(rows=len(seqs), gamma=gamma, seconds=seconds, draft_s=draft_s, verify_s=verify_s,
-                           emitted=self.stats.decode_tokens - before)
+                           emitted=self.stats.decode_tokens - before, select_s=select_s)
 
     def release(self, slot: int) -> None:
         if self.separate_draft:

@@ -46,8 +46,9 @@ class RoundRunner:
         probs = warp(logits, self.sampling)
         return self.sync(sample_rows(probs, [s.generator for s in seqs])), probs
 
-    def run(self, seqs: list[Sequence], gamma: int) -> tuple[float, float, list[int]]:
-        """Advance every row by one round; returns (draft seconds, verify seconds, accepted per row)."""
+    def run(self, seqs: list[Sequence], gamma: int) -> tuple[float, float, float, list[int]]:
+        """Advance every row by one round; returns (draft seconds, verify seconds, seconds of the
+        selection after verification (a guided view), accepted per row)."""
         device = self.target.device
         cache = self.target.cache
         slots = [s.slot for s in seqs]
@@ -60,7 +61,12 @@ class RoundRunner:
         t1 = time.perf_counter()
 
         tokens = torch.stack([pending, *drafts], dim=1)  # [B, gamma + 1]
-        batch = ForwardBatch(cache, slots, lengths, gamma + 1)
+        # A guided self-draft re-selects its view from this forward's attention mass (speculative
+        # rounds only: a plain round's view would not be read before the next selection anyway).
+        mass = None
+        if gamma and self.self_speculation and self.compressor.wants_mass:
+            mass = self.compressor.new_mass(len(seqs), max(lengths) + gamma + 1)  # [layers, B, kv_heads, N]
+        batch = ForwardBatch(cache, slots, lengths, gamma + 1, mass=mass)
         logits = self.target.forward(tokens, batch)  # [B, gamma + 1, vocab]
         draft_tokens = tokens[:, 1:]  # [B, gamma]
         if self.sampling.greedy:
@@ -77,6 +83,7 @@ class RoundRunner:
         draft_rows = draft_tokens.tolist()
         next_list = next_token.tolist()
         emitted = 0
+        going: list[int] = []  # rows still generating
         for b, seq in enumerate(seqs):
             a = accepted_list[b]
             emitted += seq.extend(draft_rows[b][:a] + [next_list[b]])
@@ -87,14 +94,23 @@ class RoundRunner:
                 self.draft.cache.set_length(seq.slot, committed - 1)
             if self.compressor is not None and not seq.finished:
                 self.compressor.committed(seq.slot, self.draft.cache.lengths[seq.slot])
+                going.append(b)
+        if mass is not None:
+            committed = [cache.lengths[slots[b]] for b in going]
+            # The next round's first draft forward reads the view up to the pending token, at `committed`.
+            self.compressor.observe_mass(mass, going, [slots[b] for b in going], [n + 1 for n in committed],
+                                         committed, gamma + 1)
+        t3 = time.perf_counter()
         self.stats.record_round(gamma=gamma, rows=len(seqs), accepted=accepted_list if gamma else [],
                                 emitted=emitted)
-        draft_s, verify_s = t1 - t0, t2 - t1
+        draft_s, verify_s, select_s = t1 - t0, t2 - t1, (t3 - t2 if mass is not None else 0.0)
         self.stats.draft_s += draft_s
         self.stats.verify_s += verify_s
         if self.compressor is not None:
-            self.stats.select_s += self.compressor.timer.take()
-        return draft_s, verify_s, accepted_list
+            selection = self.compressor.timer.take()
+            self.stats.select_s += selection
+            self.stats.round_select_s += selection
+        return draft_s, verify_s, select_s, accepted_list
 
     @staticmethod
     def _wait(device: torch.device) -> None:
@@ -114,11 +130,19 @@ class RoundRunner:
             previous = torch.tensor([s.last_context_token for s in seqs], dtype=torch.long, device=device)
             current, starts = torch.stack([previous, pending], dim=1), [n - 1 for n in lengths]
         drafts, probs = [], []
-        for _ in range(gamma):
+        for step in range(gamma):
             width = current.shape[1]
             ends = [s + width for s in starts]
-            batch = ForwardBatch(self.draft.cache, slots, starts, width, view=self.compressor.view(slots, ends))
-            logits = self.draft_forward(current, batch)  # [B, vocab]
+            if step == 0 and not self.self_speculation and self.compressor.wants_mass:
+                # A guided separate draft: its first forward of the round (the newest committed token
+                # and the pending one) reads its whole cache, and the view it reads next comes from
+                # that forward's attention mass.
+                mass = self.compressor.new_mass(len(seqs), max(ends))  # [layers, B, kv_heads, N]
+                logits = self.draft_forward(current, ForwardBatch(self.draft.cache, slots, starts, width, mass=mass))
+                self.compressor.observe_mass(mass, list(range(len(seqs))), slots, [e + 1 for e in ends], ends, width)
+            else:
+                batch = ForwardBatch(self.draft.cache, slots, starts, width, view=self.compressor.view(slots, ends))
+                logits = self.draft_forward(current, batch)  # [B, vocab]
             token, p = self.choose(logits, seqs)
             drafts.append(token)
             if p is not None:

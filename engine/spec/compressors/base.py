@@ -3,7 +3,7 @@
 A compressor watches a `KVCache` (the target's, for self-speculation, or a separate draft model's)
 and decides which `budget` positions per row, layer and KV head a draft forward reads. Every method
 here splits that budget into a *kept* part chosen from the older positions (sinks, SnapKV's top
-scores, PQCache's retrieved keys) and a *recent* part: the newest positions, which slides as tokens
+scores, PQCache's retrieved keys, the guided view's top attention mass) and a *recent* part: the newest positions, which slides as tokens
 are generated. `compose_view` turns both into the `[B, kv_heads, budget]` positions that
 `attention.attend_view` gathers. Compressors select positions; they never copy or own K/V.
 """
@@ -69,6 +69,7 @@ class Compressor(ABC):
     observe_window = 0  # how many trailing prompt queries the prefill must hand over (SnapKV)
     compact_store = False  # whether its view can live in a `CompactStore` (kept part fixed per slot)
     compact_sinks = False  # ...whose kept entry i holds position i (StreamingLLM's sinks)
+    wants_mass = False  # whether it re-selects from a full-cache forward's attention mass (`observe_mass`)
     compact: CompactStore | None = None  # the draft's own bf16 store, when enabled (`enable_compact`)
 
     def __init__(self, config: DraftConfig, cache: KVCache, num_heads: int):
@@ -108,6 +109,15 @@ class Compressor(ABC):
         """The slot's sequence finished."""
         if self.compact is not None:
             self.compact.release(slot)
+
+    def new_mass(self, rows: int, positions: int) -> torch.Tensor:
+        """(`wants_mass` methods) a buffer for `ForwardBatch.mass`: [layers, rows, kv_heads, positions]."""
+        raise NotImplementedError
+
+    def observe_mass(self, mass: torch.Tensor, rows: list[int], slots: list[int], ends: list[int],
+                     committed: list[int], tokens: int) -> None:
+        """(`wants_mass` methods) the attention mass of a forward over the whole cache, after it."""
+        raise NotImplementedError
 
     @abstractmethod
     def view(self, slots: list[int], ends: list[int]):

@@ -1,7 +1,7 @@
 """A draft's own compact KV store: its kept positions plus a ring of the newest ones, in bfloat16.
 
 When the kept part of a view does not depend on the query (StreamingLLM's sinks, SnapKV's chosen
-prompt positions), a draft step reads at most `budget` known entries per row, layer and KV head. Read
+prompt positions, the guided view between two rounds), a draft step reads at most `budget` known entries per row, layer and KV head. Read
 through a list of positions from the float32 cache, that is a gather of full-precision rows; stored
 here side by side in bfloat16 it is a stream of half the bytes, and on a 2-core CPU the draft's
 attention over a 512-entry view costs about half as much (BENCHMARKS.md). This is MagicDec's
@@ -14,6 +14,8 @@ attention over a 512-entry view costs about half as much (BENCHMARKS.md). This i
 - `copy_committed` (self-speculation): after a round, the newest `extra` positions up to the committed
   length are copied from the target cache, where verification wrote the target's own K/V (what the
   full-cache view would read). A separate draft model keeps its own K/V: it wrote them while drafting.
+- `refill` (a guided view, whose kept part changes every round): the kept entries whose position
+  changed take that position's K/V from the cache.
 
 Layout: k, v [layers, slots, kv_heads, S, D] with S = kept + ring; entries [0, kept) hold the kept
 positions, entry kept + p % ring holds position p; `entry_pos` [slots, S] is the position each entry
@@ -91,6 +93,18 @@ class CompactStore:
             self.k[:, slot, :, rows] = self.cache.k[:, slot, :, start:length].to(self.k.dtype)
             self.v[:, slot, :, rows] = self.cache.v[:, slot, :, start:length].to(self.v.dtype)
             self.entry_pos[slot, rows] = positions
+
+    def refill(self, layer: torch.Tensor, slot: torch.Tensor, head: torch.Tensor, entry: torch.Tensor,
+               position: torch.Tensor) -> None:
+        """Kept entries whose position changed (a guided view): entry `entry[i]` of (layer[i], slot[i],
+        head[i]) takes the cache's K/V at `position[i]` (all [n] int64, entry < kept)."""
+        cache = self.cache
+        D, S = cache.head_dim, self.k.shape[3]
+        plane = (layer * cache.slots + slot) * cache.kv_heads + head  # [n]: (layer, slot, head) block
+        source = plane * cache.capacity + position  # [n] rows of the cache viewed as [-1, D]
+        target = plane * S + entry  # [n] rows of the store viewed as [-1, D]
+        for store, full in ((self.k, cache.k), (self.v, cache.v)):
+            store.view(-1, D).index_copy_(0, target, full.view(-1, D).index_select(0, source).to(store.dtype))
 
     def release(self, slot: int) -> None:
         self.entry_pos[slot] = -1

@@ -10,7 +10,9 @@ pre-norm RMSNorm, RoPE, GQA attention, SiLU-gated MLP, plain `nn.Linear` project
 q/k/v and gate/up weights in the draft's GEMM dtype and three C++ ops per layer (residual + RMSNorm,
 RoPE + K/V write, SiLU x up; `engine/core/csrc/cpu_draft_ops.cpp`), then the engine's attention kernel
 over the view: from the cache at the view's positions, or from the compressor's compact bf16 store
-(`engine.spec.compressors.compact`) when the view has one, where it also writes its K/V. RoPE comes from the
+(`engine.spec.compressors.compact`) when the view has one, where it also writes its K/V (a forward
+without a view, a guided separate draft's first step of a round, reads the whole cache through
+`engine.core.attention.attend_full`). RoPE comes from the
 model's own rotary module, so its scaling variants are kept. `ModuleDraft` is the fallback for
 everything else (other architectures, GPUs, tensor parallelism, where DeepSpeed's sharded layers are
 not `nn.Linear`).
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core import kernels as cpu_kernels
-from engine.core.attention import ForwardBatch
+from engine.core.attention import ForwardBatch, attend_full
 from engine.spec.draft.gemms import INT8, DraftGemms, make_linear, resolve_linear_dtype
 from engine.spec.compressors.base import Compressor
 from engine.core.runner import ModelRunner
@@ -150,14 +152,17 @@ class LeanDraft:
             qkv = layer["qkv"](h).contiguous()  # [B, T, (H + 2 KV) * D]
             # Rotated queries [B, KV, group * T, D]; rotated keys and the values go into the store.
             query = kernel.rope_write(qkv, cos, sin, k_store[index], v_store[index], batch.slot_tensor, rows, H, KV)
-            if compact is not None:
+            if batch.view is None:  # the whole cache (a guided separate draft's first step, with its mass)
+                out = attend_full(query.view(B, H, T, D), index, batch, self.scale).reshape(B, T, H * D)
+            elif compact is not None:
                 out = kernel.attend_entries(query * self.scale, k_store[index], v_store[index], batch.slot_tensor,
                                             ends, T, entries)  # [B, KV, group * T, D]
             else:
                 positions, valid = batch.view.select(index, query.view(B, H, T, D))  # query heads in order
                 out = kernel.attend_positions(query * self.scale, cache.k[index], cache.v[index], batch.slot_tensor,
                                               ends, T, positions.contiguous(), valid.contiguous())
-            out = out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+            if batch.view is not None:
+                out = out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
             h = kernel.residual_rms_norm(x, layer["o"](out).contiguous(), layer["post_norm"], self.eps)
             delta = layer["down"](kernel.silu_mul(layer["gate_up"](h).contiguous())).contiguous()
         h = kernel.residual_rms_norm(x, delta, self.final_norm, self.eps)[:, -1]  # [B, hidden]

@@ -1,0 +1,212 @@
+"""A verification-guided draft view: the positions the target's last verification attended to most.
+
+The target's verification forward already computes attention over every row's whole cache for its
+gamma + 1 queries; with `ForwardBatch.mass` it also returns each position's attention mass per layer
+and KV head (summed over the GQA group's query heads and those queries; `engine.core.attention`).
+After each round, per row, layer and KV head, this view keeps:
+
+- the first `sink` positions (attention sinks),
+- the newest `window` positions (sliding as the next round drafts), and
+- the top `budget - sink - window` of the positions in between, [sink, L - window), by score, where
+  L is the end of the first draft forward that reads the view (the pending token's position + 1).
+
+The score is the round's mass divided by the number of queries (group heads x tokens), so rounds of
+different gamma weigh alike; with `draft.smoothing` s > 0 it is s x the previous score + (1 - s) x
+this round's (positions past the committed length, rejected drafts, start again from 0). At prefill
+the scores are SnapKV's: the prompt's last `window` queries' attention over the prompt, pooled with
+`kernel_size` (`engine.spec.compressors.snapkv`), so the first round is already guided. A row whose
+candidates number at most `budget - sink - window` keeps all of them, i.e. reads everything.
+
+Where it comes from: self-speculation takes the target's verification mass; a separate draft model
+(whose layers and heads are its own) takes its own: the first draft forward of each round, which
+recomputes the newest committed token and reads the pending one, attends to the draft's whole cache
+and returns the mass, and the round's later draft steps read the view chosen from it.
+
+With the lean CPU draft the view lives in the draft's compact bf16 store: after each selection only
+the kept entries whose position changed are copied from the target cache (a position that stays
+keeps its entry), the ring of newest positions is refreshed as for the other methods. Selection
+(`select_top`) is the brute-forceable rule above; the tests hold it to a loop over positions. This
+module chooses positions; it does not compute attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.spec.compressors.base import Compressor, FixedKeptView
+from engine.spec.compressors.snapkv import pool_scores, window_scores
+
+
+class Guided(Compressor):
+    name = "guided"
+    compact_store = True
+    wants_mass = True
+
+    def __init__(self, config, cache, num_heads):
+        super().__init__(config, cache, num_heads)
+        self.observe_window = config.window
+        self.sink, self.window = config.sink, config.window
+        self.top = config.budget - config.sink - config.window  # positions chosen by score (validated > 0)
+        self.keep = self.kept_entries(config)  # sink + top
+        self.group = num_heads // cache.kv_heads
+        layers, slots, kv_heads = cache.layers, cache.slots, cache.kv_heads
+        # [layers, slots, kv_heads, keep]: each slot's kept positions (sinks first, then the chosen);
+        # with a compact store, kept entry i of the store holds kept[..., i].
+        self.kept = torch.zeros(layers, slots, kv_heads, self.keep, dtype=torch.long, device=cache.device)
+        self.kept_count = torch.zeros(slots, dtype=torch.long, device=cache.device)  # [slots]
+        self.kept_end = torch.zeros(slots, dtype=torch.long, device=cache.device)  # [slots]
+        # [layers, slots, kv_heads, capacity]: the smoothed score of every position (smoothing > 0 only)
+        self.scores = None
+        if config.smoothing > 0:
+            self.scores = torch.zeros(layers, slots, kv_heads, cache.capacity, dtype=torch.float32,
+                                      device=cache.device)
+        self.changed_entries = 0  # kept entries refilled from the cache (with a compact store), for the record
+        self.selected_entries = 0
+
+    @staticmethod
+    def kept_entries(config) -> int:
+        return max(config.budget - config.window, 0)
+
+    def enable_compact(self, *, extra: int, copy_committed: bool) -> bool:
+        # A separate draft reads its whole cache at the start of each round, so its K/V stay there.
+        return copy_committed and super().enable_compact(extra=extra, copy_committed=copy_committed)
+
+    # ------------------------------------------------------------------ life cycle
+
+    def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None) -> None:
+        """SnapKV's scores of the prompt start the slot: [layers, 1, kv_heads, prompt_len]."""
+        assert observed is not None, "the guided draft starts from the observation window's queries"
+        window = observed.shape[2]
+        cache = self.cache
+        with self.timer:
+            scores = torch.empty(cache.layers, 1, cache.kv_heads, prompt_len, device=cache.device)
+            for layer in range(cache.layers):
+                keys = cache.k[layer, slot, :, :prompt_len]  # [kv_heads, prompt_len, D]
+                mass = window_scores(observed[layer], keys, prompt_len)  # [kv_heads, prompt_len]
+                scores[layer, 0] = pool_scores(mass, self.config.kernel_size, self.config.pooling) / (self.group * window)
+            slots = torch.tensor([slot], dtype=torch.long, device=cache.device)
+            self.kept_count[slot] = 0  # a new sequence: no kept entry holds anything yet
+            if self.scores is not None:  # the smoothed scores start from these
+                self.scores[:, slot] = 0
+                self.scores[:, slot, :, :prompt_len] = scores[:, 0]
+            self._update(slots, scores, [prompt_len + 1], [prompt_len], start=True)
+        if self.compact is not None:
+            count = int(self.kept_count[slot])
+            self.compact.fill(slot, self.kept[:, slot, :, :count], int(self.kept_end[slot]), prompt_len)
+
+    def new_mass(self, rows: int, positions: int) -> torch.Tensor:
+        """A buffer for one forward's attention mass: [layers, rows, kv_heads, positions] (written in full)."""
+        cache = self.cache
+        return torch.empty(cache.layers, rows, cache.kv_heads, positions, dtype=torch.float32, device=cache.device)
+
+    def observe_mass(self, mass: torch.Tensor, rows: list[int], slots: list[int], ends: list[int],
+                     committed: list[int], tokens: int) -> None:
+        """A forward over the whole cache returned mass [layers, B, kv_heads, N]; re-select for `rows`
+        of it (their slots), whose next draft forward reading the view ends at ends[i], with committed[i]
+        positions committed. tokens: new tokens per row in that forward."""
+        if not rows:
+            return
+        device = self.cache.device
+        with self.timer:
+            index = torch.tensor(rows, dtype=torch.long, device=device)
+            if len(rows) < mass.shape[1]:
+                mass = mass.index_select(1, index)
+            scores = mass / (self.group * tokens)  # [layers, B, kv_heads, N]: mean probability per query
+            self._update(torch.tensor(slots, dtype=torch.long, device=device), scores, ends, committed,
+                         start=False)
+
+    # ------------------------------------------------------------------ selection
+
+    def _update(self, slots: torch.Tensor, scores: torch.Tensor, ends: list[int], committed: list[int], *,
+                start: bool) -> None:
+        """Smooth, select and store the view of `slots` [B] from scores [layers, B, kv_heads, N], and
+        bring the compact store's kept entries up to date (start: a prefill, which is neither smoothed
+        nor refilled here: `prefill_done` fills the store)."""
+        device = scores.device
+        N = scores.shape[-1]
+        if self.scores is not None and not start:
+            s = self.config.smoothing
+            previous = self.scores[:, slots, :, :N]  # [layers, B, kv_heads, N] (a copy)
+            scores = previous.mul_(s).add_(scores, alpha=1.0 - s)
+            stale = torch.arange(N, device=device)[None, :] >= torch.tensor(committed, device=device)[:, None]
+            scores.masked_fill_(stale[None, :, None, :], 0.0)  # [B, N]: positions to be rewritten
+            self.scores[:, slots, :, :N] = scores
+        kept, count, kept_end = select_top(scores, torch.tensor(ends, dtype=torch.long, device=device),
+                                           sink=self.sink, window=self.window, top=self.top)
+        if self.compact is not None and not start:
+            kept = self._refill(slots, kept, count)
+        self.kept[:, slots, :, : kept.shape[-1]] = kept
+        self.kept_count[slots] = count
+        self.kept_end[slots] = kept_end
+        self.selected_entries += int(count.sum()) * self.cache.layers * self.cache.kv_heads
+
+    def _refill(self, slots: torch.Tensor, kept: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """Arrange the new kept positions so that a position kept before keeps its store entry, copy
+        the K/V of the others into the entries they take; returns the arranged kept [layers, B, kv_heads, K]."""
+        layers, B, kv_heads, K = kept.shape
+        old = self.kept[:, slots, :, :K]  # [layers, B, kv_heads, K]
+        old_count = self.kept_count[slots]  # [B]
+        entry = torch.arange(K, device=kept.device)
+        new_valid = (entry[None, :] < count[:, None])[None, :, None, :].expand_as(kept)
+        old_valid = (entry[None, :] < old_count[:, None])[None, :, None, :].expand_as(kept)
+        G = layers * B * kv_heads
+        width = int(torch.maximum(kept.max(), old.max())) + 2 if K else 1  # positions + one "invalid" column
+        flat_new, flat_old = kept.reshape(G, K), old.reshape(G, K)
+        dump = width - 1
+        in_new = torch.zeros(G, width, dtype=torch.bool, device=kept.device)
+        in_new.scatter_(1, torch.where(new_valid.reshape(G, K), flat_new, dump), True)
+        in_old = torch.zeros(G, width, dtype=torch.bool, device=kept.device)
+        in_old.scatter_(1, torch.where(old_valid.reshape(G, K), flat_old, dump), True)
+        in_new[:, dump] = in_old[:, dump] = False
+        stays = old_valid.reshape(G, K) & in_new.gather(1, flat_old)  # [G, K]: old entries still chosen
+        fresh = new_valid.reshape(G, K) & ~in_old.gather(1, flat_new)  # [G, K]: chosen positions not held
+        free = new_valid.reshape(G, K) & ~stays  # entries that take them (as many per row as fresh ones)
+        arranged = flat_old.clone()
+        free_g, free_i = free.nonzero(as_tuple=True)  # row-major: per g, ascending entries...
+        fresh_g, fresh_j = fresh.nonzero(as_tuple=True)  # ...paired with its fresh positions in order
+        assert torch.equal(free_g, fresh_g), "a row has as many free entries as new positions"
+        arranged[free_g, free_i] = flat_new[fresh_g, fresh_j]
+        if free_g.numel():
+            layer, rest = free_g // (B * kv_heads), free_g % (B * kv_heads)
+            self.compact.refill(layer, slots[rest // kv_heads], rest % kv_heads, free_i, arranged[free_g, free_i])
+        self.changed_entries += int(free_g.numel())
+        for b, slot in enumerate(slots.tolist()):
+            self.compact.entry_pos[slot, : int(count[b])] = 0  # kept entries precede every query
+        return arranged.view(layers, B, kv_heads, K)
+
+    def view(self, slots: list[int], ends: list[int]) -> FixedKeptView:
+        device = self.cache.device
+        index = torch.tensor(slots, dtype=torch.long, device=device)
+        return FixedKeptView(lambda layer: self.kept[layer].index_select(0, index),
+                             self.kept_count.index_select(0, index), self.kept_end.index_select(0, index),
+                             torch.tensor(ends, dtype=torch.long, device=device), self.budget, self.timer,
+                             layer_invariant=False, slots=index, compact=self.compact)
+
+
+def select_top(scores: torch.Tensor, ends: torch.Tensor, *, sink: int, window: int,
+               top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The guided rule for rows whose next view-reading forward ends at ends [B].
+
+    scores: [layers, B, kv_heads, N] (N >= ends - window). Row b keeps [0, min(sink, kept_end)) and
+    the top min(top, kept_end - sink) of [sink, kept_end) by score, kept_end = max(ends - window, 0).
+    Returns kept [layers, B, kv_heads, sink + k] (the first count[b] entries of row b are its kept
+    positions, sinks first; k = min(top, max(kept_end) - sink)), count [B] and kept_end [B].
+    """
+    layers, B, kv_heads, N = scores.shape
+    device = scores.device
+    kept_end = (ends - window).clamp(min=0)  # [B]
+    candidates = (kept_end - sink).clamp(min=0)  # [B]
+    count = torch.clamp(kept_end, max=sink) + candidates.clamp(max=top)  # [B]
+    highest = int(kept_end.max()) if B else 0
+    k = min(top, max(highest - sink, 0))
+    sinks = torch.arange(sink, device=device).expand(layers, B, kv_heads, sink)
+    if k == 0:
+        return sinks.clone(), count, kept_end
+    region = scores[..., sink:highest]  # [layers, B, kv_heads, highest - sink]
+    outside = torch.arange(sink, highest, device=device)[None, :] >= kept_end[:, None]  # [B, highest - sink]
+    region = region.masked_fill(outside[None, :, None, :], float("-inf"))
+    chosen = region.topk(k, dim=-1, sorted=False).indices + sink  # [layers, B, kv_heads, k]
+    # Rows with at most `top` candidates keep them all: [sink, kept_end) in order.
+    every = (candidates <= top)[None, :, None, None]
+    chosen = torch.where(every, torch.arange(sink, sink + k, device=device).expand_as(chosen), chosen)
+    return torch.cat([sinks, chosen], dim=-1), count, kept_end
