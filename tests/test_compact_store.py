@@ -4,8 +4,9 @@ Brute force: rounds of a self-speculating row are simulated on a random cache (t
 tokens into the store, verification rewrites the cache, a random number of drafts is accepted), and
 at every draft step the positions the store shows must be the view's positions (`compose_view`), with
 the K/V of committed positions equal to the cache's (in bfloat16) and those of the round's own drafts
-equal to what the draft wrote. The lean forward reading the store is held to transformers' forward
-over the full-cache view in test_draft_forward.py.
+equal to what the draft wrote. A guided view re-selects its kept part from a random
+verification mass after every round, so its kept entries change (the refill). The lean forward
+reading the store is held to transformers' forward over the full-cache view in test_draft_forward.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from engine.config.schema import DraftConfig
 from engine.core.kv_cache import KVCache
+from engine.spec.compressors.guided import Guided
 from engine.spec.compressors.snapkv import SnapKV
 from engine.spec.compressors.streamingllm import StreamingLLM
 
@@ -29,7 +31,7 @@ def make(method: str, budget: int, copy: bool = True, sink: int = 4):
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     config = DraftConfig(method=method, budget=budget, sink=sink, window=6)
-    compressor = {"streamingllm": StreamingLLM, "snapkv": SnapKV}[method](config, cache, HEADS)
+    compressor = {"streamingllm": StreamingLLM, "snapkv": SnapKV, "guided": Guided}[method](config, cache, HEADS)
     assert compressor.enable_compact(extra=EXTRA, copy_committed=copy)
     return cache, compressor
 
@@ -57,13 +59,15 @@ def reference(compressor, slot: int, end: int, layer: int, head: int) -> set[int
 
 @pytest.mark.parametrize("draft", ["self", "separate"])  # committed K/V: the target's, or the draft's own
 @pytest.mark.parametrize("method,budget,sink", [("streamingllm", 24, 4), ("streamingllm", 24, 0),
-                                               ("streamingllm", 200, 4), ("snapkv", 24, 4)])
+                                               ("streamingllm", 200, 4), ("snapkv", 24, 4), ("guided", 24, 4)])
 @pytest.mark.parametrize("prompt_len", [3, 15, 150])
 def test_store_shows_the_view_through_rounds(method, budget, sink, prompt_len, draft):
+    if method == "guided" and draft == "separate":
+        pytest.skip("a separate guided draft keeps no store (test_guided.py checks it refuses one)")
     cache, compressor = make(method, budget, copy=draft == "self", sink=sink)
     g = torch.Generator().manual_seed(prompt_len)
     slot = 1
-    observed = torch.randn(LAYERS, HEADS, min(6, prompt_len), D, generator=g) if method == "snapkv" else None
+    observed = torch.randn(LAYERS, HEADS, min(6, prompt_len), D, generator=g) if method != "streamingllm" else None
     compressor.prefill_done(slot, prompt_len, observed)
     cache.set_length(slot, prompt_len)
     store, committed = compressor.compact, prompt_len
@@ -98,9 +102,13 @@ def test_store_shows_the_view_through_rounds(method, budget, sink, prompt_len, d
         written = slice(committed, committed + gamma + 1)
         cache.k[:, slot, :, written] = torch.randn(LAYERS, KV_HEADS, gamma + 1, D, generator=g)
         cache.v[:, slot, :, written] = torch.randn(LAYERS, KV_HEADS, gamma + 1, D, generator=g)
+        verified_end = committed + gamma + 1
         committed += int(torch.randint(0, gamma + 1, (1,), generator=g)) + 1
         cache.set_length(slot, committed)
         compressor.committed(slot, committed)
+        if method == "guided":  # the round's verification mass moves the kept part
+            mass = torch.rand(LAYERS, 1, KV_HEADS, verified_end, generator=g) ** 4
+            compressor.observe_mass(mass, [0], [slot], [committed + 1], [committed], gamma + 1)
 
 
 def test_release_empties_the_slot():

@@ -21,6 +21,7 @@ from engine.core.attention import ForwardBatch
 from engine.config.schema import DraftConfig
 from engine.spec.draft.forward import LeanDraft, supports
 from engine.spec.draft.gemms import INT8, DraftGemms, int8_supported
+from engine.spec.compressors.guided import Guided
 from engine.spec.compressors.pqcache import PQCache
 from engine.spec.compressors.snapkv import SnapKV
 from engine.spec.compressors.streamingllm import StreamingLLM
@@ -54,7 +55,7 @@ def prefilled(loaded: LoadedModel, method: str, lengths=(90, 140, 60), compact: 
     prompts = random_prompts(len(lengths), max(lengths), max(lengths), seed=7)
     prompts = [p[:n] for p, n in zip(prompts, lengths)]
     config = DraftConfig(method=method, budget=48, sink=4, window=8, subspaces=4, bits=4)
-    compressor = {"streamingllm": StreamingLLM, "pqcache": PQCache, "snapkv": SnapKV}[method](
+    compressor = {"streamingllm": StreamingLLM, "pqcache": PQCache, "snapkv": SnapKV, "guided": Guided}[method](
         config, runner.cache, runner.heads)
     if compact:
         assert compressor.enable_compact(extra=3, copy_committed=True)
@@ -62,7 +63,7 @@ def prefilled(loaded: LoadedModel, method: str, lengths=(90, 140, 60), compact: 
         runner.forward(torch.tensor([prompt]), ForwardBatch(runner.cache, [slot], [0], len(prompt)), last_only=True)
         runner.cache.set_length(slot, len(prompt))
         observed = None
-        if method == "snapkv":  # the observation window's queries: any will do here
+        if method in ("snapkv", "guided"):  # the observation window's queries: any will do here
             observed = torch.randn(runner.layers, runner.heads, config.window, runner.head_dim,
                                    generator=torch.Generator().manual_seed(slot))
         compressor.prefill_done(slot, len(prompt), observed)
@@ -102,7 +103,29 @@ def test_lean_forward_equals_transformers_forward(model, method, width):
     torch.testing.assert_close(written(runner, batch), want_kv, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["streamingllm", "snapkv"])
+@pytest.mark.parametrize("width", [1, 2])
+def test_lean_forward_over_the_whole_cache_returns_the_mass_transformers_forward_does(width):
+    """No view (a guided separate draft's first step of a round): the whole cache, with its attention mass."""
+    loaded = make_tiny(4)[0]
+    runner, compressor, lengths = prefilled(loaded, "guided")
+    tokens = torch.randint(3, 500, (len(lengths), width), generator=torch.Generator().manual_seed(1))  # [B, T]
+    slots, starts = list(range(len(lengths))), [n - width + 1 for n in lengths]
+
+    def batch():
+        return ForwardBatch(runner.cache, slots, starts, width,
+                            mass=compressor.new_mass(len(lengths), max(lengths) + 1))
+
+    reference = batch()
+    want = runner.forward(tokens, reference, last_only=True)[:, -1]  # [B, vocab]
+    lean = batch()
+    got = LeanDraft(loaded.model, None)(tokens, lean)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lean.mass, reference.mass, rtol=1e-4, atol=1e-5)
+    # [layers, B, kv_heads, N]: every query's probability lands somewhere.
+    torch.testing.assert_close(lean.mass.sum(-1), torch.full(lean.mass.shape[:3], float(compressor.group * width)))
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "guided"])
 @pytest.mark.parametrize("width", [1, 2])
 def test_lean_forward_over_the_compact_store_equals_transformers_over_the_cache(method, width):
     """The same view, read from the draft's bfloat16 store instead of the float32 cache."""

@@ -89,7 +89,7 @@ DRAFT_STEPS = [("transformers", "same"), ("transformers", "bfloat16"), ("lean", 
 
 @pytest.mark.parametrize("path,linear_dtype", DRAFT_STEPS, ids=["-".join(s) for s in DRAFT_STEPS])
 @pytest.mark.parametrize("draft_kind", ["self", "separate"])
-@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "pqcache"])
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "pqcache", "guided"])
 def test_greedy_speculation_is_lossless(setup, cuts, monkeypatch, method, draft_kind, path, linear_dtype):
     loaded, prompts, eos = setup
     loaded.eos_token_ids = (eos,)
@@ -102,8 +102,10 @@ def test_greedy_speculation_is_lossless(setup, cuts, monkeypatch, method, draft_
     engine = build_engine(recipe(method, linear_dtype=linear_dtype), loaded, draft)
     assert engine.decoder.draft_forward.path == path
     assert engine.decoder.draft_forward.gemm_dtype == ("float32" if linear_dtype == "same" else linear_dtype)
-    # The lean draft reads StreamingLLM and SnapKV views from its compact bf16 store.
-    assert (engine.decoder.compressor.compact is not None) == (path == "lean" and method != "pqcache")
+    # The lean draft reads StreamingLLM, SnapKV and self-speculative guided views from its compact bf16
+    # store (a separate guided draft reads its whole cache at each round's start, so keeps its K/V there).
+    has_store = path == "lean" and method != "pqcache" and not (method == "guided" and draft_kind == "separate")
+    assert (engine.decoder.compressor.compact is not None) == has_store
     cuts.clear()
     speculative = run(engine, prompts)
     assert speculative == plain
@@ -112,6 +114,11 @@ def test_greedy_speculation_is_lossless(setup, cuts, monkeypatch, method, draft_
     assert "stop" in cuts and "length" in cuts, f"stops inside accepted runs: {cuts}"
     lengths = {len(row) for row in plain}
     assert len(lengths) > 1 and MAX_NEW in lengths  # rows finished at different times
+    if method == "guided":  # the views really moved with the verification (or first draft step) mass
+        compressor = engine.decoder.compressor
+        assert compressor.selected_entries > 0 and engine.stats.round_select_s > 0
+        if has_store:
+            assert 0 < compressor.changed_entries < compressor.selected_entries
 
 
 def test_speculation_with_fixed_gamma_one_and_auto(setup):
@@ -122,13 +129,17 @@ def test_speculation_with_fixed_gamma_one_and_auto(setup):
     auto = build_engine(recipe_from_dict({**recipe("streamingllm").to_dict(), "spec": {"gamma": "auto", "replan_every": 4}}),
                   loaded)
     assert run(auto, prompts) == plain
+    guided = build_engine(recipe_from_dict({**recipe("guided").to_dict(), "spec": {"gamma": "auto", "replan_every": 4}}),
+                          loaded)
+    assert run(guided, prompts) == plain
 
 
-def test_speculative_sampling_is_reproducible(setup):
+@pytest.mark.parametrize("method", ["snapkv", "guided"])
+def test_speculative_sampling_is_reproducible(setup, method):
     loaded, prompts, _ = setup
     loaded.eos_token_ids = (2,)
-    first = run(build_engine(recipe("snapkv", temperature=0.9), loaded), prompts)
-    assert run(build_engine(recipe("snapkv", temperature=0.9), loaded), prompts) == first
+    first = run(build_engine(recipe(method, temperature=0.9), loaded), prompts)
+    assert run(build_engine(recipe(method, temperature=0.9), loaded), prompts) == first
 
 
 def test_separate_draft_must_share_the_vocabulary(setup):
@@ -139,7 +150,7 @@ def test_separate_draft_must_share_the_vocabulary(setup):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "pqcache"])
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "pqcache", "guided"])
 def test_real_model_speculation_equals_plain(real_model, method):
     tokenizer = real_model.tokenizer
     import inspect
