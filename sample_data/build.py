@@ -9,6 +9,8 @@ Nothing third-party is stored in the repository: these files are generated (dete
 - rag.jsonl      `passages` (list), `query` several functions' docstrings, a query about one
 - code.jsonl     `code`, `instruction`      a stretch of a module's source and a task about it
 - long.jsonl     `prompt`                   16 long source excerpts (~3-4K tokens) for benchmarks
+- docqa_shared.jsonl `document`, `question` 8 documents of ~2.5K tokens, 7 questions each, shuffled
+                                            (rows sharing their long part: see shared_docs.py)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from engine.bench.prompts import LONG_MODULES as MODULES  # the same sources `magicdec bench` reads
 from engine.bench.prompts import STDLIB, long_texts
+from shared_docs import shared_docqa_rows
 
 
 def sources() -> list[tuple[str, str]]:
@@ -72,8 +75,9 @@ def build(out: Path) -> None:
                 "Suggest one improvement to the following code."][i % 3]
         code.append({"id": f"c{i}", "code": chunk, "instruction": task})
     long = [{"id": f"l{i}", "prompt": text} for i, text in enumerate(long_texts())]
+    shared = shared_docqa_rows(mods)
     for file, rows in [("generic.jsonl", generic), ("docqa.jsonl", docqa), ("rag.jsonl", rag),
-                       ("code.jsonl", code), ("long.jsonl", long)]:
+                       ("code.jsonl", code), ("long.jsonl", long), ("docqa_shared.jsonl", shared)]:
         (out / file).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     try:
         import pyarrow as pa

@@ -130,6 +130,16 @@ def test_pqcache_search_grows_with_batch_times_context_faster_than_streamingllm(
     assert 0.0 < run(method="pqcache", pq_search="fused")["t_select_ms"] < run(method="pqcache")["t_select_ms"]
 
 
+def test_guided_drafts_like_streamingllm_and_adds_a_little_to_verification():
+    for batch, context in ((8, 4096), (64, 32768)):
+        guided, streaming = run(method="guided", batch=batch, context=context), run(method="streamingllm",
+                                                                                     batch=batch, context=context)
+        assert guided["t_draft_ms"] == pytest.approx(streaming["t_draft_ms"])
+        extra = [g / s - 1 for g, s in zip(guided["t_verify_ms_by_gamma"], streaming["t_verify_ms_by_gamma"])]
+        assert all(0.0 < x < 0.06 for x in extra), extra  # mass 4 B + top-k 20 B vs 512 B of K/V per position
+        assert guided["t_round_select_ms"] > 0 and streaming["t_round_select_ms"] == 0.0
+
+
 def test_pq_search_bytes_per_position():
     from engine.planning.roofline import pq_search_bytes
 

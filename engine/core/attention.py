@@ -16,6 +16,8 @@ Backends (all held against `reference_attention` in the tests):
   `cache_seqlens` and `cache_batch_idx`.
 - `attend_view`: the draft's compressed view: gathers the selected positions (budget-sized, small)
   and attends to them with an explicit mask.
+- a `PrefillBatch` (prompt chunks of several rows packed along the token axis) goes to
+  `engine.core.prefill_attention`.
 A forward over the whole cache may also ask for each position's attention mass (`ForwardBatch.mass`,
 the guided draft's scores, from the verification pass): the fused kernel's `attend_cached_scores`
 returns it from its one pass over K/V where the loaded build has that entry point; otherwise (and on
@@ -32,6 +34,7 @@ import torch
 
 from engine.core import kernels as cpu_kernels
 from engine.core.kv_cache import KVCache
+from engine.core.prefill_attention import PrefillBatch, attend_prefill
 
 ATTN_NAME = "magicdec"
 FUSED_MAX_NEW = 16  # beyond this many new tokens per row (prefill chunks) GEMMs win
@@ -50,12 +53,6 @@ class DraftView(Protocol):
         """query: [B, heads, T, head_dim]. Returns positions [B, kv_heads, N] (long) and valid [B, kv_heads, N]."""
 
 
-class QueryObserver(Protocol):
-    """Receives the queries of selected positions during prefill (SnapKV's observation window)."""
-
-    def observe(self, layer: int, query: torch.Tensor, batch: "ForwardBatch") -> None: ...
-
-
 @dataclasses.dataclass
 class ForwardBatch:
     """Per-forward metadata shared by every layer: where each row's new tokens go and what they see.
@@ -69,7 +66,6 @@ class ForwardBatch:
     starts: list[int]
     num_new: int
     view: DraftView | None = None  # None: attend to all cached positions (causal among the new ones)
-    observer: QueryObserver | None = None
     write_kv: bool = True
     # With view None: [layers, B, kv_heads, N] float32, N >= every row's end; each layer writes
     # mass[layer, b, h, p] = the softmax probability position p gets, summed over KV head h's query
@@ -96,7 +92,7 @@ class ForwardBatch:
 
 def magicdec_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function signature; returns ([B, T, heads, head_dim], None)."""
-    batch: ForwardBatch | None = kwargs.get(BATCH_KWARG)
+    batch: ForwardBatch | PrefillBatch | None = kwargs.get(BATCH_KWARG)
     if batch is None:
         raise RuntimeError("the magicdec attention needs a ForwardBatch: call the model through the engine")
     layer = module.layer_idx
@@ -104,8 +100,9 @@ def magicdec_attention(module, query, key, value, attention_mask=None, scaling=N
     cache = batch.cache
     if batch.write_kv:
         cache.write(layer, batch.write_slots, batch.write_positions, key, value)
-    if batch.observer is not None:
-        batch.observer.observe(layer, query, batch)
+    if isinstance(batch, PrefillBatch):
+        kernel = cpu_kernels.load() if _prefill_fused_ok(query, cache) else None
+        return attend_prefill(kernel, query, cache.k[layer], cache.v[layer], batch, layer, scale), None
     if batch.view is not None:
         positions, valid = batch.view.select(layer, query)
         if _fused_ok(query, cache) and (kernel := cpu_kernels.load()) is not None:
@@ -141,6 +138,13 @@ def _register() -> None:
 
 
 _register()
+
+
+def _prefill_fused_ok(query: torch.Tensor, cache: KVCache) -> bool:
+    if query.device.type != "cpu" or query.dtype != torch.float32 or cache.k.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    kernel = cpu_kernels.load()
+    return kernel is not None and hasattr(kernel, "attend_prefill")
 
 
 def _fused_ok(query: torch.Tensor, cache: KVCache) -> bool:

@@ -70,5 +70,16 @@ def _build():
     build_dir.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
     with file_lock(build_dir / "build.lock"):  # data-parallel ranks may start together
-        return load_extension(name=name, sources=[str(path) for path in SOURCES], extra_cflags=flags,
-                              extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        # torch's builder marks a build in progress with a `lock` file and waits while one exists; a
+        # process killed mid-build leaves it behind. Holding our lock, no other build can be running.
+        (build_dir / "lock").unlink(missing_ok=True)
+        # Build from copies inside the (content-keyed) folder: two checkouts with the same sources at
+        # different paths then share one build instead of rebuilding it for each other.
+        sources = []
+        for path in SOURCES:
+            copy = build_dir / path.name
+            if not copy.is_file() or copy.read_bytes() != path.read_bytes():
+                copy.write_bytes(path.read_bytes())
+            sources.append(str(copy))
+        return load_extension(name=name, sources=sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                              build_directory=str(build_dir), verbose=False)

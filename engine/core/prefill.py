@@ -1,22 +1,25 @@
-"""Prefill: a row's prompt into its cache slot, in chunks, for every model that keeps a cache of it.
+"""Prefill: admitted rows' prompts into their cache slots, packed into forwards of `chunk` tokens.
 
-`prefill_row` runs the prompt through one `ModelRunner` in `batch.prefill_chunk`-token forwards,
-writing K/V at the slot's positions 0..n-1, and returns the last position's logits. With a
-`PrefixStore`, the longest stored prefix of the prompt is copied in instead of computed (never the
-last token, whose logits start the row, nor a listener's observation window, which must be the
-row's own queries), and the row's own full blocks are stored for later rows. A `SlotListener` (a
-draft's compressor) may ask for the queries of the prompt's last `observe_window` positions
-(SnapKV's observation window), which `QueryWindow` captures as the forwards pass, and is told when
-the slot's prompt is cached. This module knows nothing of speculation or scheduling.
+`prefill_rows` caches the prompts of several rows (one admission wave) in one model's cache: with a
+`PrefixStore`, each row's longest stored prefix is copied in instead of computed (never the last
+token, whose logits start the row, nor a listener's observation window, which must be the row's own
+queries); the rest of every row is cut into segments and packed along the token axis, `chunk` tokens
+per forward (a row's prompt in consecutive segments, in order), so the linear layers run at a large M
+whatever the rows' lengths; then each row's full blocks are stored for later rows. A `SlotListener` (a
+draft's compressor) may ask for the queries of the prompt's last `observe_window` positions (SnapKV's
+observation window), which a `QueryWindow` captures as the forwards pass, and is told when a slot's
+prompt is cached. Rows whose prompts share a prefix should not be in one wave (the scheduler splits
+waves so), or they compute it twice. This module knows nothing of speculation or scheduling.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
 
-from engine.core.attention import ForwardBatch
+from engine.core.prefill_attention import PrefillBatch, Segment
 from engine.core.prefix_store import PrefixStore
 from engine.core.runner import ModelRunner
 
@@ -35,52 +38,84 @@ class SlotListener(Protocol):
 
 
 class QueryWindow:
-    """Captures, during one row's prefill, the queries of positions >= observe_from (all layers)."""
+    """Captures, during one row's prefill, the queries of its positions >= observe_from (all layers)."""
 
     def __init__(self, layers: int, heads: int, window: int, head_dim: int, observe_from: int,
                  device: torch.device, dtype: torch.dtype):
         self.observe_from = observe_from
         self.queries = torch.zeros(layers, heads, window, head_dim, dtype=dtype, device=device)
 
-    def observe(self, layer: int, query: torch.Tensor, batch: ForwardBatch) -> None:
-        start = batch.starts[0]
+    def observe(self, layer: int, query: torch.Tensor, start: int) -> None:
+        """query: [heads, T, head_dim] of positions start .. start + T - 1."""
         lo = max(self.observe_from, start)
-        hi = start + batch.num_new
-        if lo < hi:  # query: [1, heads, T, D]
-            self.queries[layer, :, lo - self.observe_from: hi - self.observe_from] = \
-                query[0, :, lo - start: hi - start]
+        hi = start + query.shape[1]
+        if lo < hi:
+            self.queries[layer, :, lo - self.observe_from: hi - self.observe_from] = query[:, lo - start: hi - start]
 
 
-def prefill_row(runner: ModelRunner, slot: int, prompt_ids: list[int], chunk: int,
-                listener: SlotListener | None = None, store: PrefixStore | None = None) -> tuple[torch.Tensor, int]:
-    """Cache one row's prompt in `slot` (chunked), reusing a stored prefix; tell the listener.
+@dataclasses.dataclass
+class RowPrefill:
+    """One row of a wave: its slot and prompt, and what its prefill found and produced."""
 
-    Returns the last position's logits [1, vocab] and how many prompt tokens were reused, not computed.
-    """
-    n = len(prompt_ids)
-    window = min(listener.observe_window, n) if listener is not None else 0
-    observer = None
-    if window:
-        observer = QueryWindow(runner.layers, runner.heads, window, runner.head_dim, n - window,
-                               runner.device, runner.loaded.dtype)
-    runner.cache.clear(slot)
-    reused = 0
-    if store is not None:
-        blocks = store.match(prompt_ids)
-        reused = min(len(blocks) * store.block, n - max(window, 1))
-        store.stats.lookups += 1
-        if reused > 0:
-            store.stats.hits += 1
-            store.load(runner.cache, slot, blocks, reused)
-    tokens = torch.tensor(prompt_ids, dtype=torch.long, device=runner.device)  # [n]
-    logits = None
-    for start in range(reused, n, chunk):
-        piece = tokens[start: start + chunk]
-        batch = ForwardBatch(runner.cache, [slot], [start], len(piece), observer=observer)
-        logits = runner.forward(piece[None], batch, last_only=True)[:, -1]
-    runner.cache.set_length(slot, n)
-    if store is not None:
-        store.insert(runner.cache, slot, prompt_ids)
-    if listener is not None:
-        listener.prefill_done(slot, n, observer.queries if observer is not None else None)
-    return logits, reused
+    slot: int
+    prompt_ids: list[int]
+    reused: int = 0  # prompt tokens copied from the prefix store
+    logits: torch.Tensor | None = None  # [vocab] of the prompt's last position
+    window: QueryWindow | None = None
+
+
+def prefill_rows(runner: ModelRunner, rows: list[RowPrefill], chunk: int, listener: SlotListener | None = None,
+                 store: PrefixStore | None = None) -> None:
+    """Cache every row's prompt in its slot (see the module docstring); fills each row's `logits` and `reused`."""
+    cache = runner.cache
+    for row in rows:
+        n = len(row.prompt_ids)
+        window = min(listener.observe_window, n) if listener is not None else 0
+        if window:
+            row.window = QueryWindow(runner.layers, runner.heads, window, runner.head_dim, n - window,
+                                     runner.device, runner.loaded.dtype)
+        cache.clear(row.slot)
+        if store is not None:
+            blocks = store.match(row.prompt_ids)
+            row.reused = max(min(len(blocks) * store.block, n - max(window, 1)), 0)
+            store.stats.lookups += 1
+            if row.reused:
+                store.stats.hits += 1
+                store.load(cache, row.slot, blocks, row.reused)
+    for pack in _packs(rows, chunk):
+        segments = [Segment(row.slot, start, length, row.window) for row, start, length in pack]
+        tokens = torch.tensor([t for row, start, length in pack for t in row.prompt_ids[start:start + length]],
+                              dtype=torch.long, device=runner.device)  # [N]
+        logits = runner.prefill(tokens, PrefillBatch(cache, segments))  # [S, vocab]
+        for (row, start, length), last in zip(pack, logits):
+            if start + length == len(row.prompt_ids):
+                row.logits = last
+    for row in rows:
+        n = len(row.prompt_ids)
+        cache.set_length(row.slot, n)
+        if store is not None:
+            store.insert(cache, row.slot, row.prompt_ids)
+        if listener is not None:
+            listener.prefill_done(row.slot, n, row.window.queries if row.window is not None else None)
+
+
+def _packs(rows: list[RowPrefill], chunk: int):
+    """Forwards of at most `chunk` tokens: lists of (row, start, length), each row's tokens in order."""
+    pack, room = [], chunk
+    for row in rows:
+        start, n = row.reused, len(row.prompt_ids)
+        while start < n:
+            length = min(room, n - start)
+            pack.append((row, start, length))
+            start += length
+            room -= length
+            if room == 0:
+                yield pack
+                pack, room = [], chunk
+    if pack:
+        yield pack
+
+
+def shares_a_prefix(a: list[int], b: list[int], block: int) -> bool:
+    """Whether two prompts start with the same full block (prefill them in different waves)."""
+    return len(a) >= block and len(b) >= block and a[:block] == b[:block]

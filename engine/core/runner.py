@@ -13,6 +13,7 @@ import torch
 
 from engine.core.attention import BATCH_KWARG, ForwardBatch
 from engine.core.kv_cache import KVCache
+from engine.core.prefill_attention import PrefillBatch
 from engine.models.loading import LoadedModel
 
 
@@ -53,3 +54,11 @@ class ModelRunner:
         out = self.model(input_ids=tokens, position_ids=batch.positions, use_cache=False,
                          logits_to_keep=1 if last_only else 0, **{BATCH_KWARG: batch})
         return out.logits.float()
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
+        """tokens: [N], the packed segments' prompt tokens. Returns float32 logits [S, vocab] of each
+        segment's last token."""
+        out = self.model(input_ids=tokens[None], position_ids=batch.positions, use_cache=False,
+                         logits_to_keep=batch.last_indices, **{BATCH_KWARG: batch})
+        return out.logits[0].float()

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 import torch
 
 from engine.config.schema import Recipe, slot_capacity
-from engine.core.prefill import SlotListener, prefill_row
+from engine.core.prefill import RowPrefill, SlotListener, prefill_rows, shares_a_prefix
 from engine.core.prefix_store import PrefixStore
 from engine.core.runner import ModelRunner
 from engine.core.sampling import row_generator
@@ -88,15 +88,12 @@ class Scheduler:
         """Generate for every request; results are yielded as rows finish (any order)."""
         waiting = LookaheadQueue(requests, self.recipe.batch.lookahead, by_prefix=self.recipe.batch.prefix_reuse)
         while True:
-            while self.free_slots and waiting:
-                request = waiting.pop()
-                problem = slot_problem(request, self.max_len)
-                if problem:
-                    yield error_result(request, problem)
-                    continue
-                seq = self.admit(request)
-                if seq.finished:
-                    yield self.release(seq)
+            wave, errors = self.next_wave(waiting)
+            yield from errors
+            if wave:
+                for seq in self.admit(wave):
+                    if seq.finished:
+                        yield self.release(seq)
             if not self.active:
                 if not waiting:
                     return
@@ -107,25 +104,51 @@ class Scheduler:
             for seq in [s for s in self.active if s.finished]:
                 yield self.release(seq)
 
-    def admit(self, request: Request) -> Sequence:
-        slot = self.free_slots.pop(0)
+    def next_wave(self, waiting: "LookaheadQueue") -> tuple[list[Request], list[Result]]:
+        """The requests to admit together into the free slots, and error results for those that cannot run.
+
+        With prefix reuse a wave ends before a row that shares its first block with a row already in
+        it: that row is prefilled in the next wave, once the first one's prefix is in the store.
+        """
+        wave, errors = [], []
+        batch = self.recipe.batch
+        block = batch.prefix_block if batch.prefix_reuse else 0
+        while len(wave) < len(self.free_slots) and waiting:
+            request = waiting.peek()
+            if block and any(shares_a_prefix(request.prompt_ids, other.prompt_ids, block) for other in wave):
+                break
+            waiting.pop()
+            problem = slot_problem(request, self.max_len)
+            if problem:
+                errors.append(error_result(request, problem))
+            else:
+                wave.append(request)
+        return wave, errors
+
+    def admit(self, requests: list[Request]) -> list[Sequence]:
+        """Prefill a wave of requests into free slots (packed), emit their first tokens; returns their rows."""
         sampling = self.recipe.sampling
-        generator = None if sampling.greedy else row_generator(sampling.seed, request.id, self.target.device)
-        seq = Sequence(request, slot, max_len=self.max_len, eos_ids=self.target_model.eos_token_ids,
-                       stop_strings=sampling.stop, tokenizer=self.target_model.tokenizer, generator=generator)
+        seqs = []
+        for request in requests:
+            slot = self.free_slots.pop(0)
+            generator = None if sampling.greedy else row_generator(sampling.seed, request.id, self.target.device)
+            seqs.append(Sequence(request, slot, max_len=self.max_len, eos_ids=self.target_model.eos_token_ids,
+                                 stop_strings=sampling.stop, tokenizer=self.target_model.tokenizer,
+                                 generator=generator))
         t0 = time.perf_counter()
         logits = None
         for index, target in enumerate(self.decoder.prefill_targets):
-            out, reused = prefill_row(target.runner, slot, request.prompt_ids, self.recipe.batch.prefill_chunk,
-                                      target.listener, target.store)
+            rows = [RowPrefill(seq.slot, seq.request.prompt_ids) for seq in seqs]
+            prefill_rows(target.runner, rows, self.recipe.batch.prefill_chunk, target.listener, target.store)
             if index == 0:  # the target's own: the tokens the job computed or reused
-                logits = out
-                self.stats.prefill_tokens += seq.prompt_len - reused
+                logits = torch.stack([row.logits for row in rows])  # [B, vocab]
+                reused = sum(row.reused for row in rows)
+                self.stats.prefill_tokens += sum(seq.prompt_len for seq in seqs) - reused
                 self.stats.prefill_tokens_reused += reused
         self.stats.prefill_s += time.perf_counter() - t0
-        self.decoder.start([seq], logits)
-        self.active.append(seq)
-        return seq
+        self.decoder.start(seqs, logits)
+        self.active.extend(seqs)
+        return seqs
 
     def release(self, seq: Sequence) -> Result:
         self.active.remove(seq)
@@ -177,6 +200,9 @@ class LookaheadQueue:
 
     def __bool__(self) -> bool:
         return bool(self.heap)
+
+    def peek(self) -> Request:
+        return self.heap[0][2]
 
     def pop(self) -> Request:
         request = heapq.heappop(self.heap)[2]

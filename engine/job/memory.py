@@ -1,10 +1,11 @@
 """Will the job fit in memory? Checked from the model's config before any weights are loaded.
 
 The KV cache is the big allocation (slots x capacity x layers x 2 x kv_heads x head_dim x bytes,
-see `KVCache.bytes_needed`); the weights come on top (and the draft's lower-precision copy of its
-linear weights, `engine.spec.draft.gemms`, when it has one, and the lean CPU draft's compact bf16 store of
-its StreamingLLM/SnapKV view, `engine.spec.compressors.compact`). If they do not fit in what the device has
-free, the job stops with one line that says so and names the largest `batch.size` that fits.
+see `KVCache.bytes_needed`); the weights come on top, and the prefix store of each model's cache
+(`batch.prefix_cache` tokens of K/V, `engine.core.prefix_store`), the draft's lower-precision copy of
+its linear weights (`engine.spec.draft.gemms`) when it has one, and the lean CPU draft's compact bf16
+store of its StreamingLLM/SnapKV view (`engine.spec.compressors.compact`). If they do not fit in what the
+device has free, the job stops with one line that says so and names the largest `batch.size` that fits.
 This module only estimates; it allocates nothing.
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from engine.config.schema import Recipe, round_scratch, slot_capacity
 from engine.core.kv_cache import KVCache
+from engine.core.prefix_store import PrefixStore
 from engine.errors import JobError
 from engine.models.loading import model_shapes, resolve_device, resolve_dtype
 from engine.models.shapes import linear_params, weight_bytes
@@ -57,6 +59,16 @@ def kv_bytes(recipe: Recipe, shapes: dict, slots: int, dtype: torch.dtype, tp: i
                                 head_dim=shapes["head_dim"], capacity=capacity, dtype=dtype)
 
 
+def prefix_store_bytes(recipe: Recipe, shapes: dict, dtype: torch.dtype, tp: int) -> int:
+    """The prefix store of one model's cache (`batch.prefix_cache` tokens), with prefix reuse on."""
+    b = recipe.batch
+    if not b.prefix_reuse:
+        return 0
+    kv_heads = -(-shapes["kv_heads"] // tp)
+    return PrefixStore.bytes_needed(layers=shapes["layers"], kv_heads=kv_heads, head_dim=shapes["head_dim"],
+                                    dtype=dtype, block=b.prefix_block, capacity=b.prefix_cache)
+
+
 def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
     """Raise JobError if KV cache + weights exceed the free memory; returns the bytes needed."""
     device = resolve_device(recipe.device)
@@ -70,8 +82,10 @@ def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
     draft_dtype = resolve_linear_dtype(recipe.draft.linear_dtype, dtype, device) if speculative else None
     draft_copy = linear_params(shapes[-1]) * draft_dtype.itemsize // tp if draft_dtype else 0
 
+    stores = sum(prefix_store_bytes(recipe, s, dtype, tp) for s in shapes)  # independent of the batch size
+
     def need(n: int) -> int:
-        return (draft_copy + compact_bytes(recipe, shapes[-1], n, device)
+        return (draft_copy + stores + compact_bytes(recipe, shapes[-1], n, device)
                 + sum(kv_bytes(recipe, s, n, dtype, tp) + weight_bytes(s, element) // tp for s in shapes))
 
     total = need(slots)
@@ -82,6 +96,8 @@ def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
             fits += 1
         gib = 2 ** 30
         hint = f"batch.size {fits} fits" if fits else "lower batch.max_len or use a smaller dtype"
-        raise JobError(f"batch.size {slots} x batch.max_len needs {total / gib:.1f} GiB (KV cache + weights) "
-                       f"but {device.type} has {free / gib:.1f} GiB free; {hint}")
+        if stores:
+            hint += f" (the prefix store takes {stores / gib:.1f} GiB: batch.prefix_cache)"
+        raise JobError(f"batch.size {slots} x batch.max_len needs {total / gib:.1f} GiB (KV cache + weights"
+                       f"{' + prefix store' if stores else ''}) but {device.type} has {free / gib:.1f} GiB free; {hint}")
     return total

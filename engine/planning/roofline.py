@@ -21,6 +21,11 @@ inside a kernel, not across kernels):
   logits     the sampler reading the B x tokens x vocab logits in float32 (`SAMPLER_PASSES` passes)
   select     PQCache only, every draft step: the B x L x subspaces codes, the scores, and a radix
              top-k over them, as torch ops or one fused kernel (`pq_search_bytes`, `pq_select_cost`)
+  guided     the guided view, once per round (priced into T_V): verification writes each position's
+             attention mass per layer and KV head (float32, from the pass that reads the K/V anyway),
+             the selection reads it back and runs the same radix top-k, and the compact store takes
+             the K/V of the kept entries that changed (`guided_round_cost`); its draft step costs
+             what StreamingLLM's and SnapKV's does
   comm       tp > 1: 2 all-reduces per layer of B x tokens x hidden x dtype bytes and one all-gather
              of the logits, each `allreduce_latency_s` + bytes x ring factor / `link_bw`
   fixed      `step_overhead_s` per forward + `layer_latency_s` per layer: the floor a forward pays
@@ -47,7 +52,8 @@ from engine.spec.gamma import best_gamma, expected_tokens, relative_time
 
 SAMPLER_PASSES = 2  # float32 passes the sampler makes over the logits (up-cast + argmax / softmax)
 TOPK_PASSES = 4  # reads of the float32 scores by a radix top-k (one per 8-bit digit)
-SCORE_BYTES = 4  # PQCache approximate scores are float32
+SCORE_BYTES = 4  # PQCache approximate scores and the guided view's attention masses are float32
+GUIDED_CHANGED = 0.3  # share of a guided view's kept entries that change per round (measured: BENCHMARKS.md)
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,6 +127,21 @@ def pq_select_cost(shapes: dict[str, Any], hw: dict[str, Any], *, batch: int, co
     return dict(seconds=_roofline(bytes_, flops, hw), bytes=bytes_, flops=flops)
 
 
+def guided_round_cost(shapes: dict[str, Any], hw: dict[str, Any], *, batch: int, context: int, tp: int,
+                      budget: int, dtype_bytes: int, changed: float = GUIDED_CHANGED) -> dict[str, float]:
+    """The guided view's work per round, beyond a plain verification: seconds, bytes behind it.
+
+    Per layer and KV head (sharded by tp) and row: the L float32 masses written by verification and
+    read back by the selection (normalise, top-k: 1 + 1 + TOPK_PASSES passes), and the `changed`
+    share of the `budget` kept entries whose K/V are copied (read once, written once).
+    """
+    layers, kv_heads = shapes["layers"], shapes["kv_heads"]
+    planes = layers * kv_heads * batch / tp
+    mass = planes * context * SCORE_BYTES * (2 + TOPK_PASSES)
+    refill = planes * changed * budget * 2 * shapes["head_dim"] * dtype_bytes * 2  # K and V, read + write
+    return dict(seconds=_roofline(mass + refill, 0.0, hw), bytes=mass + refill)
+
+
 # --------------------------------------------------------------------------------------------
 # The plan
 
@@ -175,6 +196,13 @@ def plan(*, shapes: dict, hardware: dict, batch: int, context: int, method: str,
     top = max(gamma_max, gamma or 0)
     verify = {g: forward_cost(shapes, hardware, batch=batch, tokens=g + 1, kv_len=context, tp=tp,
                               dtype_bytes=dtype_bytes) for g in range(1, top + 1)}
+    guided = 0.0
+    if method == "guided":  # the view's re-selection after each verification
+        guided = guided_round_cost(draft_model, hardware, batch=batch, context=context, tp=draft_tp,
+                                   budget=min(budget, context), dtype_bytes=dtype_bytes)["seconds"]
+        for cost in verify.values():
+            cost["guided"] = guided
+            cost["total"] += guided
     speedups = [1.0 / relative_time(g, acceptance, t_draft, verify[g]["total"], t_target)
                 for g in range(1, top + 1)]
     if method == "none":
@@ -200,6 +228,7 @@ def plan(*, shapes: dict, hardware: dict, batch: int, context: int, method: str,
         t_target_ms=t_target * 1e3,
         t_draft_ms=t_draft * 1e3,
         t_select_ms=select["seconds"] * 1e3,
+        t_round_select_ms=guided * 1e3,  # guided: the re-selection per round, included in t_verify_ms
         t_verify_ms=verify[shown]["total"] * 1e3,
         gammas=list(range(1, top + 1)),
         t_verify_ms_by_gamma=[verify[g]["total"] * 1e3 for g in range(1, top + 1)],
