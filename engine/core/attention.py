@@ -8,8 +8,9 @@ What to attend to travels in a `ForwardBatch` passed as a keyword argument to `m
 transformers forwards untouched to this function.
 
 Backends (all held against `reference_attention` in the tests):
-- `attend_cached_fused`: CPU, float32, up to `FUSED_MAX_NEW` new tokens (decode, verify): the C++
-  kernel of `engine/core/csrc`, one pass over each row's K/V with an online softmax.
+- `attend_cached_fused`: CPU, float32 or bfloat16 K/V (float32 arithmetic), up to `FUSED_MAX_NEW` new
+  tokens (decode, verify): the C++ kernel of `engine/core/csrc`, one pass over each row's K/V with an
+  online softmax (AVX-512, AVX2 or portable tasks, as compiled for this CPU).
 - `attend_cached_torch`: any device; per row, the query heads of a GQA group are folded into the
   query axis so one matmul reads that group's K/V straight from the cache (no copy, no repeat).
 - `attend_cached_flash`: CUDA with flash-attn installed, `flash_attn_with_kvcache` with per-row
@@ -33,7 +34,7 @@ from engine.core.kv_cache import KVCache
 from engine.core.prefill_attention import PrefillBatch, attend_prefill
 
 ATTN_NAME = "magicdec"
-FUSED_MAX_NEW = 16  # beyond this many new tokens per row (prefill chunks) GEMMs win
+FUSED_MAX_NEW = 16  # new tokens per row the decode kernel takes (prefill chunks go through PrefillBatch)
 BATCH_KWARG = "magicdec_batch"
 
 try:  # optional CUDA fast path
@@ -117,16 +118,15 @@ def _register() -> None:
 _register()
 
 
+KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the fused CPU kernels read (float32 math)
+
+
 def _prefill_fused_ok(query: torch.Tensor, cache: KVCache) -> bool:
-    if query.device.type != "cpu" or query.dtype != torch.float32 or cache.k.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    kernel = cpu_kernels.load()
-    return kernel is not None and hasattr(kernel, "attend_prefill")
+    return query.device.type == "cpu" and cache.k.dtype in KERNEL_CACHE_DTYPES and cpu_kernels.load() is not None
 
 
 def _fused_ok(query: torch.Tensor, cache: KVCache) -> bool:
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and cache.k.dtype == torch.float32
-            and query.shape[2] <= FUSED_MAX_NEW)
+    return query.device.type == "cpu" and cache.k.dtype in KERNEL_CACHE_DTYPES and query.shape[2] <= FUSED_MAX_NEW
 
 
 def attend_cached_fused(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
@@ -138,14 +138,14 @@ def attend_cached_fused(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_la
     """
     B, H, T, D = query.shape
     kv_heads = k_layer.shape[1]
-    q = (query * scale).reshape(B, kv_heads, (H // kv_heads) * T, D)  # heads of a group, token fastest
+    q = (query.float() * scale).reshape(B, kv_heads, (H // kv_heads) * T, D)  # heads of a group, token fastest
     ends = batch.start_tensor + T
     if positions is None:
         out = kernel.attend_cached(q, k_layer, v_layer, batch.slot_tensor, ends, T)
     else:
         out = kernel.attend_positions(q, k_layer, v_layer, batch.slot_tensor, ends, T,
                                       positions.contiguous(), valid.contiguous())
-    return out.view(B, H, T, D).transpose(1, 2)  # out: [B, kv_heads, group * T, D]
+    return out.view(B, H, T, D).transpose(1, 2).to(query.dtype)  # out: [B, kv_heads, group * T, D]
 
 
 def attend_cached_torch(query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
