@@ -109,6 +109,21 @@ def magicdec_attention(module, query, key, value, attention_mask=None, scaling=N
     return out, None
 
 
+def attention_paths(device: torch.device, cache_dtype: torch.dtype) -> dict[str, str]:
+    """Which backend serves decode/verify, draft views and prefill chunks here (for the job report), so
+    that nothing falls back to a slow path unseen."""
+    if device.type == "cuda":
+        decode = "flash-attn" if flash_attn_with_kvcache is not None else "torch (no flash-attn installed)"
+        return {"decode": decode, "draft_view": "torch gather", "prefill": "torch per segment"}
+    kernel = cpu_kernels.load() if cache_dtype in KERNEL_CACHE_DTYPES else None
+    if kernel is None:
+        why = "no compiled CPU kernel" if cache_dtype in KERNEL_CACHE_DTYPES else f"{cache_dtype} cache"
+        return {"decode": f"torch ({why})", "draft_view": f"torch gather ({why})", "prefill": f"torch ({why})"}
+    isa = kernel.vector_isa()
+    return {"decode": f"fused CPU kernel ({isa})", "draft_view": f"fused CPU kernel ({isa})",
+            "prefill": f"fused CPU prefill kernel ({isa})"}
+
+
 def _register() -> None:
     from transformers import AttentionInterface
 
