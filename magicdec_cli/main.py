@@ -1,9 +1,11 @@
 """`magicdec` commands. Each parses its options, calls one engine function, prints, and exits.
 
 Exit codes (the contract): 0 every row produced output; 1 the job finished but some rows are error
-records; 2 nothing was run (bad recipe, unreadable input, existing output, ...), with one line on
-stderr naming the file, row or key (a traceback only with MAGICDEC_DEBUG=1). The command functions
-hold no logic of their own beyond choosing what to print.
+records; 2 nothing was run (bad recipe, unreadable input, existing output, an output another run
+holds, ...), with one line on stderr naming the file, row or key (a traceback only with
+MAGICDEC_DEBUG=1); 3 the job stopped part-way (a failed write, a lost rank, an internal error), its
+finished rows kept for --resume. The command functions hold no logic of their own beyond choosing
+what to print.
 """
 
 from __future__ import annotations

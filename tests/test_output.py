@@ -239,17 +239,17 @@ def test_openai_format_with_a_parquet_output_is_refused(tmp_path):
 
 
 def enospc_after(monkeypatch, rows: int):
-    """os.write for the output module: a disk that fills up after `rows` lines, mid-line."""
-    real_write, written = os.write, [0]
+    """The output's line writes: a disk that fills up after `rows` lines, mid-line."""
+    real_append, written = jsonl_lines.append_all, [0]
 
-    def write(fd, data):
+    def append_all(fd, data):
         if written[0] >= rows:
-            real_write(fd, bytes(data[: len(data) // 2]))  # part of the line made it to disk
+            real_append(fd, data[: len(data) // 2])  # part of the line made it to disk
             raise OSError(errno.ENOSPC, "No space left on device")
         written[0] += 1
-        return real_write(fd, data)
+        real_append(fd, data)
 
-    monkeypatch.setattr(jsonl_lines.os, "write", write)
+    monkeypatch.setattr(jsonl_lines, "append_all", append_all)
 
 
 @pytest.mark.parametrize("order", ["finish", "input"])

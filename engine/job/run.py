@@ -2,7 +2,8 @@
 
 `run_job` checks everything that can be checked before any model is loaded (recipe, input file,
 output path, KV-cache memory), then streams input rows through the prompt builder into the engine,
-writes every finished row at once (crash-safe, resumable), and writes the report. Rows that are
+writes every finished row at once (crash-safe, resumable; in the row format and order the recipe
+asks for, `engine.job.io.lines` and `engine.job.io.output`), and writes the report. Rows that are
 unusable become error records and the job goes on. Progress goes to a `ProgressSink` supplied by the
 caller (the CLI draws it with Rich); this module prints nothing and knows nothing about terminals.
 """
