@@ -84,6 +84,28 @@ def test_jsonl_external_sort_spills_and_merges_in_passes(tmp_path, monkeypatch):
     assert len(spilled) > 20, "the rows were sorted in many chunks, merged in more than one pass"
 
 
+def test_putting_rows_in_input_order_holds_one_chunk_not_the_output(tmp_path, monkeypatch):
+    """8 MB of rows, sorted with a 256 KiB chunk: the merge's memory peak is a small part of it."""
+    import tracemalloc
+
+    monkeypatch.setattr(output_module, "SORT_CHUNK_BYTES", 256 << 10)
+    out = tmp_path / "out.jsonl"
+    order = list(range(4000))
+    random.Random(4).shuffle(order)
+    writer = OutputWriter(out, mode="new", manifest=MANIFEST, order="input")
+    for i in order:
+        writer.write({**out_row(i), "text": f"{i:06d}" * 340}, i)  # ~2 KB a row
+    tracemalloc.start()
+    try:
+        writer.close()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert read_ids(out) == list(range(4000))
+    assert out.stat().st_size > 8_000_000
+    assert peak < 3_000_000, f"the merge held {peak} bytes"
+
+
 def test_merge_runs_is_a_stable_sort():
     items = [(random.Random(2).randrange(50), n) for n in range(500)]
     chunks = [sorted(items[i:i + 37], key=lambda item: item[0]) for i in range(0, 500, 37)]

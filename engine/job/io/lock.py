@@ -91,9 +91,12 @@ def _write_holder(fd: int) -> None:
 
 
 def _holder(fd: int) -> str:
-    """Who holds the lock, from the file's contents, as 'pid 123 on host, since ...'."""
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
-        return f"pid {info['pid']} on {info['host']}, since {info['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "a process that has not yet said who it is"
+    """Who holds the lock, from the file's contents, as 'pid 123 on host, since ...' (waiting a moment
+    for a holder that has just taken the lock to write its name)."""
+    for _ in range(40):
+        try:
+            info = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+            return f"pid {info['pid']} on {info['host']}, since {info['started']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            time.sleep(0.025)
+    return "a process that has not said who it is"
