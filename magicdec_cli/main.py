@@ -1,9 +1,11 @@
 """`magicdec` commands. Each parses its options, calls one engine function, prints, and exits.
 
 Exit codes (the contract): 0 every row produced output; 1 the job finished but some rows are error
-records; 2 nothing was run (bad recipe, unreadable input, existing output, ...), with one line on
-stderr naming the file, row or key (a traceback only with MAGICDEC_DEBUG=1). The command functions
-hold no logic of their own beyond choosing what to print.
+records; 2 nothing was run (bad recipe, unreadable input, existing output, an output another run
+holds, ...), with one line on stderr naming the file, row or key (a traceback only with
+MAGICDEC_DEBUG=1); 3 the job stopped part-way (a failed write, a lost rank, an internal error), its
+finished rows kept for --resume. The command functions hold no logic of their own beyond choosing
+what to print.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Annotated, Optional
 import typer
 
 from engine.config.schema import DEFAULT_MODEL
-from engine.errors import JobError
+from engine.errors import JobError, OutputError
 from magicdec_cli.console import Out
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -81,20 +83,23 @@ def run(
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N input rows.")] = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel processes (DeepSpeed AutoTP).")] = 1,
     dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="Data-parallel engine groups, each --tp processes (default 1; under an external launcher: world size / tp).")] = None,
+    output_format: Annotated[Optional[str], typer.Option("--output-format", help="Output rows: magicdec (its own rows) or openai (the OpenAI batch output format; default for an OpenAI batch input). Same as --set output.format=...")] = None,
     quiet: QuietOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """Generate for every input row; write outputs and a throughput report."""
-    from engine.job.run import JobOptions
+    from engine.job.options import JobOptions
 
     if resume and overwrite:
         raise JobError("--resume and --overwrite exclude each other")
+    if output_format is not None and output_format not in ("magicdec", "openai"):
+        raise JobError(f"--output-format must be magicdec or openai, got {output_format!r}")
+    overrides = tuple(set_ or ()) + ((f"output.format={output_format}",) if output_format else ())
     out = Out(quiet=quiet, json_mode=json_)
     options = JobOptions(recipe=recipe, input=str(input), output=str(output) if output else None,
-                         report=str(report) if report else None, overrides=tuple(set_ or ()),
+                         report=str(report) if report else None, overrides=overrides,
                          mode="resume" if resume else "overwrite" if overwrite else "new", limit=limit, tp=tp)
     from engine.scale import launch as launching
-    from engine.scale import run as parallel
 
     # SIGTERM (a scheduler, or the launcher stopping the other ranks) stops a job like Ctrl-C does: the
     # writer is closed on the way out, so rows it still buffers (Parquet parts) are kept for --resume.
@@ -103,12 +108,19 @@ def run(
         if launching.needs_launch(tp, dp):  # start tp x dp worker processes running this same command
             command = [sys.executable, "-m", "magicdec_cli.main", *sys.argv[1:]]
             raise typer.Exit(launching.launch(command, tp=tp, dp=dp, options=options))
-        _set_threads()
-        outcome = parallel.run(options, out.progress(), tp=tp, dp=dp)
+        # One job per output: checked before torch and the model load, so a second run exits at once.
+        with launching.job_lock(options):
+            from engine.scale import run as parallel
+
+            _set_threads()
+            outcome = parallel.run(options, out.progress(), tp=tp, dp=dp)
     except launching.WorkersFailed as exc:  # a worker, or another rank of this job, stopped early
         if exc.message:
             out.error(exc.message)
         raise typer.Exit(exc.exit_code)
+    except OutputError as exc:  # the output could not be written (disk full, I/O error) part-way
+        out.error(str(exc))
+        raise typer.Exit(3)
     if outcome is None:  # a non-zero rank: rank 0 reports
         return
     summary = outcome.report

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -32,38 +31,65 @@ def write_prompts(tmp_path, count: int = 12):
     return data
 
 
+def staged_rows(out):
+    """Rows a job in input order has finished so far: staged in `<output>.parts/` until it completes."""
+    parts = sorted(out.with_name(out.name + ".parts").glob("part-*.jsonl"))
+    return [json.loads(line)[1] for p in parts for line in p.read_text().splitlines() if line.endswith("]")]
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """{id: (text, finish_reason, output_tokens)} of an uninterrupted run over write_prompts(12)."""
+    folder = tmp_path_factory.mktemp("clean")
+    data = write_prompts(folder, 12)
+    clean = folder / "clean.jsonl"
+    full = magicdec("run", "generic", "--input", data, "--output", clean, *ARGS)
+    _, err = full.communicate(timeout=300)
+    assert full.returncode == 0, err
+    return {r["id"]: (r["text"], r["finish_reason"], r["output_tokens"]) for r in read_rows(clean)}
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("order", ["finish", "input"])
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, clean_run, order):
+    """finish: rows stream into the output as they finish; input: they are staged in parts and the
+    output is written in input order once the job completes. Either way a SIGKILL loses no finished
+    row and --resume gives each id once, the same rows as an uninterrupted run."""
     count = 12
     data = write_prompts(tmp_path, count)
     killed = tmp_path / "killed.jsonl"
-    job = magicdec("run", "generic", "--input", data, "--output", killed, *ARGS)
+    args = ["--input", data, "--output", killed, *ARGS, "--set", f"output.order={order}"]
+    finished = read_rows if order == "finish" else staged_rows
+    job = magicdec("run", "generic", *args)
     deadline = time.time() + 240
     while time.time() < deadline and job.poll() is None:
-        if killed.exists() and len(read_rows(killed)) >= 3:
+        if killed.exists() and len(read_rows(killed)) >= 3 or order == "input" and len(staged_rows(killed)) >= 3:
             break
         time.sleep(0.05)
     assert job.poll() is None, f"the job ended before it could be killed: {job.communicate()}"
     job.send_signal(signal.SIGKILL)
     job.wait()
-    before = read_rows(killed)
+    before = finished(killed)
     assert 3 <= len(before) < count
+    if order == "input":
+        assert not killed.exists(), "the output appears only once the job completes"
 
-    resumed = magicdec("run", "generic", "--input", data, "--output", killed, *ARGS, "--resume")
+    resumed = magicdec("run", "generic", *args, "--resume")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     after = read_rows(killed)
     ids = [r["id"] for r in after]
-    assert sorted(ids) == list(range(count)), "every id exactly once"
-    assert after[: len(before)] == before, "rows written before the kill are kept as they were"
-
-    clean = tmp_path / "clean.jsonl"
-    full = magicdec("run", "generic", "--input", data, "--output", clean, *ARGS)
-    full.communicate(timeout=300)
-    assert full.returncode == 0
+    if order == "finish":
+        assert sorted(ids) == list(range(count)), "every id exactly once"
+        assert after[: len(before)] == before, "rows written before the kill are kept as they were"
+    else:
+        assert ids == list(range(count)), "every id exactly once, in input order"
+        kept = {r["id"]: r for r in before}
+        assert all(r == kept[r["id"]] for r in after if r["id"] in kept), "rows from before the kill kept as they were"
+        assert not killed.with_name(killed.name + ".parts").exists()
     as_map = lambda rows: {r["id"]: (r["text"], r["finish_reason"], r["output_tokens"]) for r in rows}
-    assert as_map(after) == as_map(read_rows(clean))
+    assert as_map(after) == clean_run
     report = json.loads((tmp_path / "killed.jsonl.report.json").read_text())
     assert report["job"]["rows"] == count and report["job"]["rows_resumed"] == len(before)
 

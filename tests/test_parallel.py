@@ -24,8 +24,9 @@ from engine.scale import launch as launching
 from engine.scale import topology
 from engine.config.loading import load_recipe
 from engine.errors import JobError
+from engine.job.io.input import open_input
 from engine.job.io.output import OutputWriter
-from engine.job.run import JobOptions, output_manifest
+from engine.job.options import JobOptions, open_output, output_manifest
 from engine.job.report import JobReport
 from engine.core.stats import EngineStats
 from magicdec_cli.main import app
@@ -51,6 +52,14 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def kept_rows(path: Path) -> list[dict]:
+    """The rows of an output a killed job left: in the file, or staged in its parts (input order)."""
+    rows = read_jsonl(path) if path.exists() else []
+    for part in sorted(Path(str(path) + ".parts").glob("part-*.jsonl")):
+        rows += [json.loads(line)[1] for line in part.read_text().splitlines() if line.endswith("]")]
+    return rows
 
 
 def texts_by_id(path: Path) -> dict:
@@ -168,73 +177,89 @@ def test_shard_names_keep_the_format_and_any_dp_is_found(tmp_path):
         "run.docqa.dp2.parquet", "run.docqa.dp4.parquet", "run.docqa.dp10.parquet"], "a manifest alone counts"
 
 
-def write_output(path: Path, manifest: dict, rows: list[dict], half_line: bool = False) -> None:
-    with OutputWriter(path, mode="new", manifest=manifest) as writer:
-        for row in rows:
-            writer.write(row)
+def write_output(path: Path, opts: JobOptions, recipe, rows: list[tuple[int, dict]], half_line: bool = False,
+                 finalize: bool = True) -> None:
+    """Rows (input row number, row) written as `run` writes them (the recipe's order)."""
+    with open_output(opts, recipe, path, open_input(opts.input), mode="new", finalize=finalize) as writer:
+        for index, row in rows:
+            writer.write(row, index)
     if half_line:
-        with open(path, "a") as f:
+        target = path if path.exists() else sorted(Path(str(path) + ".parts").iterdir())[-1]
+        with open(target, "a") as f:
             f.write('{"id": "half-writ')
 
 
-def test_resume_folds_every_shard_into_the_output_each_id_once(tmp_path):
+@pytest.mark.parametrize("order", ["input", "finish"])
+def test_resume_folds_every_shard_into_the_output_each_id_once(tmp_path, order):
     opts = options(tmp_path, mode="resume")
     out = Path(opts.output)
-    recipe = load_recipe("generic")
-    manifest = output_manifest(recipe, opts.input)
-    write_output(out, manifest, [out_row("r0")])
-    write_output(shards.shard_path(out, 0), manifest, [out_row("r2"), out_row("r0")], half_line=True)
-    write_output(shards.shard_path(out, 1), manifest, [out_row("r1", "error")])
-    write_output(shards.shard_path(out, 2), manifest, [out_row("r5")])  # a run with dp 3 left this one
+    recipe = load_recipe("generic", [f"output.order={order}"])
+    opts.overrides = (f"output.order={order}",)
+    write_output(out, opts, recipe, [(0, out_row("r0"))], finalize=False)  # a killed --dp run left all these
+    write_output(shards.shard_path(out, 0), opts, recipe, [(2, out_row("r2")), (0, out_row("r0"))], half_line=True,
+                 finalize=False)
+    write_output(shards.shard_path(out, 1), opts, recipe, [(1, out_row("r1", "error"))], finalize=False)
+    write_output(shards.shard_path(out, 2), opts, recipe, [(5, out_row("r5"))], finalize=False)  # from a dp 3 run
 
     settled = shards.settle_outputs(opts, recipe, out, dp=2)
 
-    assert sorted(texts_by_id(out)) == ["r0", "r1", "r2", "r5"]
     assert (settled.rows, settled.failed) == (4, 1)
     assert len(settled.done_ids) == 4
     assert shards.existing_shards(out) == [] and not list(tmp_path.glob("*.dp*"))
+    shards.merge_shards(opts, recipe, out, [])  # what rank 0 does once the groups are done
+    ids = [row["id"] for row in read_jsonl(out)]
+    assert sorted(ids) == ["r0", "r1", "r2", "r5"]
+    if order == "input":
+        assert ids == ["r0", "r1", "r2", "r5"], "folded rows keep their input row numbers"
 
 
 def test_killed_parquet_shards_are_folded_too(tmp_path):
     opts = options(tmp_path, mode="resume", name="out.parquet")
     out = Path(opts.output)
     recipe = load_recipe("generic")
-    manifest = output_manifest(recipe, opts.input)
-    committed = OutputWriter(shards.shard_path(out, 0), mode="new", manifest=manifest, part_rows=1)
-    for row_id in ("r0", "r2"):
-        committed.write(out_row(row_id))  # each row committed as a part; the writer is never closed
+    manifest = output_manifest(recipe, opts.input, "magicdec")
+    committed = OutputWriter(shards.shard_path(out, 0), mode="new", manifest=manifest, part_rows=1, order="input")
+    for index, row_id in ((2, "r2"), (0, "r0")):
+        committed.write(out_row(row_id), index)  # each row committed as a part; the writer is never closed
     OutputWriter(shards.shard_path(out, 1), mode="new", manifest=manifest)  # killed before any part
     assert len(shards.existing_shards(out)) == 2
 
     settled = shards.settle_outputs(opts, recipe, out, dp=2)
+    shards.merge_shards(opts, recipe, out, [])
 
     assert settled.rows == 2 and not list(tmp_path.glob("*.dp*"))
     import pyarrow.parquet as pq
 
-    assert sorted(pq.read_table(out).column("id").to_pylist()) == ["r0", "r2"]
+    assert pq.read_table(out).column("id").to_pylist() == ["r0", "r2"]
 
 
 def test_overwrite_removes_shards_and_new_refuses_them(tmp_path):
     opts = options(tmp_path)
     out = Path(opts.output)
     recipe = load_recipe("generic")
-    manifest = output_manifest(recipe, opts.input)
-    write_output(shards.shard_path(out, 1), manifest, [out_row("r1")])
+    write_output(shards.shard_path(out, 1), opts, recipe, [(1, out_row("r1"))])
     with pytest.raises(JobError, match="out.dp1.jsonl exists"):
         shards.settle_outputs(opts, recipe, out, dp=2)
     settled = shards.settle_outputs(options(tmp_path, mode="overwrite"), recipe, out, dp=2)
     assert settled.rows == 0 and not list(tmp_path.glob("*.dp*"))
-    assert out.exists() and read_jsonl(out) == [], "with dp > 1 the output is created up front"
+    assert Path(str(out) + ".manifest.json").exists(), "with dp > 1 the output is created up front"
 
 
-def test_merge_appends_shards_and_reports_ids_two_groups_wrote(tmp_path):
-    out = tmp_path / "out.jsonl"
-    manifest = {"recipe": {}, "model": "m"}
-    write_output(out, manifest, [out_row("old")])
-    write_output(shards.shard_path(out, 0), manifest, [out_row("a"), out_row("dup")])
-    write_output(shards.shard_path(out, 1), manifest, [out_row("b"), out_row("dup")])
-    dropped = shards.merge_shards(out, manifest, shards.existing_shards(out))
-    assert sorted(texts_by_id(out)) == ["a", "b", "dup", "old"]
+@pytest.mark.parametrize("order", ["input", "finish"])
+def test_merge_appends_shards_and_reports_ids_two_groups_wrote(tmp_path, order):
+    opts = options(tmp_path, mode="resume")
+    opts.overrides = (f"output.order={order}",)
+    recipe = load_recipe("generic", opts.overrides)
+    out = Path(opts.output)
+    write_output(out, opts, recipe, [(None, out_row("old"))])
+    write_output(shards.shard_path(out, 0), opts, recipe, [(4, out_row("c")), (0, out_row("a")), (2, out_row("dup"))],
+                 finalize=False)
+    write_output(shards.shard_path(out, 1), opts, recipe, [(1, out_row("b")), (3, out_row("dup"))], finalize=False)
+    dropped = shards.merge_shards(opts, recipe, out, shards.existing_shards(out))
+    ids = [row["id"] for row in read_jsonl(out)]
+    assert sorted(ids) == ["a", "b", "c", "dup", "old"]
+    if order == "input":
+        assert ids == ["old", "a", "b", "dup", "c"], "rows already merged first, then input order"
     assert [row["id"] for row in dropped] == ["dup"]
     assert not list(tmp_path.glob("*.dp*"))
 
@@ -369,7 +394,7 @@ def test_killed_tensor_parallel_rank_ends_the_job_and_resume_completes_it(tmp_pa
     assert time.monotonic() - started < 120, "the job must not hang when a rank dies"
     assert killed.returncode not in (0, 1), killed.stderr
     assert "rank 1 exited with code 9" in killed.stderr and "--resume" in killed.stderr
-    kept = texts_by_id(out)
+    kept = kept_rows(out)
     assert len(kept) >= 2, "the rows finished before the failure are kept"
 
     resumed = magicdec(*args, "--resume")
@@ -387,7 +412,7 @@ def test_killed_data_parallel_group_resumes_across_groups(tmp_path, single_proce
     args = ["generic", "-i", data, "-o", out, "--dp", "2", "--set", "draft.method=none", *JOB, "--quiet"]
     killed = magicdec(*args, env=die_after_rows(1))
     assert killed.returncode not in (0, 1), killed.stderr
-    assert len(read_jsonl(shards.shard_path(out, 1))) == 1, "group 1's finished row is kept in its shard"
+    assert len(kept_rows(shards.shard_path(out, 1))) == 1, "group 1's finished row is kept in its shard"
 
     resumed = magicdec(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr

@@ -26,6 +26,14 @@ def markdown(result: dict[str, Any]) -> str:
     if not result["acceptance_meaningful"]:
         lines.append("\nRandom weights: acceptance rates below are not meaningful, only the timings are.")
     plain = [r for r in rows if r["method"] == "none"]
+    prefill = result.get("prefill") or {}
+    if prefill.get("tokens"):  # what a job pays first: the first configuration's prompts, computed cold
+        first = rows[0]
+        lines += ["", "| phase | rows x context | tokens | seconds | tokens/s |", "|---|---|---|---|---|",
+                  f"| prefill (cold, computed once) | {first['batch']} x {first['context']} | {prefill['tokens']} | "
+                  f"{prefill['seconds']:.1f} | {prefill['tokens_per_s']:.1f} |",
+                  f"| decode (plain, {first['new_tokens']} new tokens per row) | {first['batch']} x {first['context']} | "
+                  f"{first['decode_tokens']} | {first['decode_s']:.1f} | {first['decode_tokens_per_s']:.1f} |"]
     lines += ["", "| batch | context | engine T_T (ms) | tok/s | transformers step (ms) | engine vs transformers "
               "| GB/s moved | read bandwidth measured beside it (GB/s) | % of it |", "|---|---|---|---|---|---|---|---|---|"]
     for r in plain:

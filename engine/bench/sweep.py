@@ -179,12 +179,14 @@ class Bench:
             "prefill_tokens_per_s": stats.prefill_tokens / stats.prefill_s if stats.prefill_tokens else 0.0,
             "decode_tokens": stats.decode_tokens, "decode_s": stats.decode_s,
             "decode_tokens_per_s": stats.decode_tokens / stats.decode_s,
-            "steady_tokens_per_s": tally.tokens / tally.seconds if tally.seconds else 0.0,
+            "steady_tokens_per_s": tally.tokens / tally.seconds if tally.seconds else stats.decode_tokens / stats.decode_s,
             "acceptance_rate": summary["acceptance_rate"], "mean_accepted_length": summary["mean_accepted_length"],
             "alpha": stats.token_acceptance, "mean_gamma": summary["gamma"],
             "rounds": stats.rounds, "steady_rounds": tally.rounds,
-            "t_draft_ms": 1e3 * tally.draft_s / tally.draft_steps if tally.draft_steps else 0.0,
-            "t_verify_ms": 1e3 * tally.verify_s / tally.rounds if tally.rounds else 0.0,
+            # Step times from the full-batch rounds, or (a job too short to have any) from all rounds.
+            "t_draft_ms": 1e3 * (tally.draft_s / tally.draft_steps if tally.draft_steps else
+                                 stats.draft_s / max(stats.gamma_sum, 1)),
+            "t_verify_ms": 1e3 * (tally.verify_s / tally.rounds if tally.rounds else stats.verify_s / stats.rounds),
             "select_s": stats.select_s,
             # the compressor's selection per round (PQCache's search over its draft steps, the guided
             # re-selection after verification), prefill excluded

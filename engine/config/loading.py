@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from engine.config.schema import (DEVICES, DRAFT_METHODS, DTYPES, LINEAR_DTYPES, POOLINGS, TRUNCATIONS, Recipe)
+from engine.config.schema import (DEVICES, DRAFT_METHODS, DTYPES, LINEAR_DTYPES, OUTPUT_ORDERS, POOLINGS,
+                                  ROW_FORMATS, TRUNCATIONS, Recipe)
 from engine.errors import JobError
 
 def shipped_recipes():
@@ -247,6 +248,10 @@ def _validate(r: Recipe, source: str) -> None:
         fail("sampling.stop", "must not contain an empty string")
     if r.prompt.truncate not in TRUNCATIONS:
         fail("prompt.truncate", f"must be {_one_of(TRUNCATIONS)}, got {r.prompt.truncate!r}")
+    if r.output.format not in ROW_FORMATS:
+        fail("output.format", f"must be {_one_of(ROW_FORMATS)}, got {r.output.format!r}")
+    if r.output.order not in OUTPUT_ORDERS:
+        fail("output.order", f"must be {_one_of(OUTPUT_ORDERS)}, got {r.output.order!r}")
     if not r.model:
         fail("model", "must name a model")
 

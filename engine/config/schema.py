@@ -20,6 +20,8 @@ DEVICES = ("auto", "cpu", "cuda")  # device (also cuda:N)
 LINEAR_DTYPES = ("auto", "same", "bfloat16", "float16", "float32", "int8")  # draft.linear_dtype
 POOLINGS = ("avgpool", "maxpool")  # draft.pooling
 TRUNCATIONS = ("error", "left")  # prompt.truncate
+ROW_FORMATS = ("auto", "magicdec", "openai")  # output.format (auto: openai for an OpenAI batch input)
+OUTPUT_ORDERS = ("input", "finish")  # output.order
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,9 @@ class InputConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    keep_columns: tuple[str, ...] = ()  # input columns copied into each output row
+    keep_columns: tuple[str, ...] = ()  # input columns copied into each output row (magicdec rows)
+    format: str = "auto"  # auto | magicdec | openai (the OpenAI batch output format; JSONL only)
+    order: str = "input"  # input: rows in input order once the job completes | finish: as rows finish
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ What to attend to travels in a `ForwardBatch` passed as a keyword argument to `m
 transformers forwards untouched to this function.
 
 Backends (all held against `reference_attention` in the tests):
-- `attend_cached_fused`: CPU, float32, up to `FUSED_MAX_NEW` new tokens (decode, verify): the C++
-  kernel of `engine/core/csrc`, one pass over each row's K/V with an online softmax.
+- `attend_cached_fused`: CPU, float32 or bfloat16 K/V (float32 arithmetic), up to `FUSED_MAX_NEW` new
+  tokens (decode, verify): the C++ kernel of `engine/core/csrc`, one pass over each row's K/V with an
+  online softmax (AVX-512, AVX2 or portable tasks, as compiled for this CPU).
 - `attend_cached_torch`: any device; per row, the query heads of a GQA group are folded into the
   query axis so one matmul reads that group's K/V straight from the cache (no copy, no repeat).
 - `attend_cached_flash`: CUDA with flash-attn installed, `flash_attn_with_kvcache` with per-row
@@ -19,9 +20,9 @@ Backends (all held against `reference_attention` in the tests):
 - a `PrefillBatch` (prompt chunks of several rows packed along the token axis) goes to
   `engine.core.prefill_attention`.
 A forward over the whole cache may also ask for each position's attention mass (`ForwardBatch.mass`,
-the guided draft's scores, from the verification pass): the fused kernel's `attend_cached_scores`
-returns it from its one pass over K/V where the loaded build has that entry point; otherwise (and on
-CUDA, whose flash-attn path cannot return it) the torch path computes it from its explicit softmax.
+the guided draft's scores, from the verification pass): on CPU the fused kernel's
+`attend_cached_scores` returns it from its one pass over K/V; elsewhere (CUDA, whose flash-attn path
+cannot return it, or no compiled kernel) the torch path computes it from its explicit softmax.
 This module does not choose positions (compressors do) nor run models (the engine does).
 """
 
@@ -37,7 +38,7 @@ from engine.core.kv_cache import KVCache
 from engine.core.prefill_attention import PrefillBatch, attend_prefill
 
 ATTN_NAME = "magicdec"
-FUSED_MAX_NEW = 16  # beyond this many new tokens per row (prefill chunks) GEMMs win
+FUSED_MAX_NEW = 16  # new tokens per row the decode kernel takes (prefill chunks go through PrefillBatch)
 BATCH_KWARG = "magicdec_batch"
 
 try:  # optional CUDA fast path
@@ -124,11 +125,23 @@ def attend_full(query: torch.Tensor, layer: int, batch: ForwardBatch, scale: flo
     if mass is None and flash_attn_with_kvcache is not None and query.is_cuda:
         return attend_cached_flash(query, k_layer, v_layer, batch, scale)
     if _fused_ok(query, cache) and (kernel := cpu_kernels.load()) is not None:
-        if mass is None:
-            return attend_cached_fused(kernel, query, k_layer, v_layer, batch, scale)
-        if hasattr(kernel, "attend_cached_scores"):
-            return attend_cached_fused(kernel, query, k_layer, v_layer, batch, scale, mass=mass)
+        return attend_cached_fused(kernel, query, k_layer, v_layer, batch, scale, mass=mass)
     return attend_cached_torch(query, k_layer, v_layer, batch, scale, mass=mass)
+
+
+def attention_paths(device: torch.device, cache_dtype: torch.dtype) -> dict[str, str]:
+    """Which backend serves decode/verify, draft views and prefill chunks here (for the job report), so
+    that nothing falls back to a slow path unseen."""
+    if device.type == "cuda":
+        decode = "flash-attn" if flash_attn_with_kvcache is not None else "torch (no flash-attn installed)"
+        return {"decode": decode, "draft_view": "torch gather", "prefill": "torch per segment"}
+    kernel = cpu_kernels.load() if cache_dtype in KERNEL_CACHE_DTYPES else None
+    if kernel is None:
+        why = "no compiled CPU kernel" if cache_dtype in KERNEL_CACHE_DTYPES else f"{cache_dtype} cache"
+        return {"decode": f"torch ({why})", "draft_view": f"torch gather ({why})", "prefill": f"torch ({why})"}
+    isa = kernel.vector_isa()
+    return {"decode": f"fused CPU kernel ({isa})", "draft_view": f"fused CPU kernel ({isa})",
+            "prefill": f"fused CPU prefill kernel ({isa})"}
 
 
 def _register() -> None:
@@ -140,16 +153,15 @@ def _register() -> None:
 _register()
 
 
+KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the fused CPU kernels read (float32 math)
+
+
 def _prefill_fused_ok(query: torch.Tensor, cache: KVCache) -> bool:
-    if query.device.type != "cpu" or query.dtype != torch.float32 or cache.k.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    kernel = cpu_kernels.load()
-    return kernel is not None and hasattr(kernel, "attend_prefill")
+    return query.device.type == "cpu" and cache.k.dtype in KERNEL_CACHE_DTYPES and cpu_kernels.load() is not None
 
 
 def _fused_ok(query: torch.Tensor, cache: KVCache) -> bool:
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and cache.k.dtype == torch.float32
-            and query.shape[2] <= FUSED_MAX_NEW)
+    return query.device.type == "cpu" and cache.k.dtype in KERNEL_CACHE_DTYPES and query.shape[2] <= FUSED_MAX_NEW
 
 
 def attend_cached_fused(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
@@ -162,7 +174,7 @@ def attend_cached_fused(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_la
     """
     B, H, T, D = query.shape
     kv_heads = k_layer.shape[1]
-    q = (query * scale).reshape(B, kv_heads, (H // kv_heads) * T, D)  # heads of a group, token fastest
+    q = (query.float() * scale).reshape(B, kv_heads, (H // kv_heads) * T, D)  # heads of a group, token fastest
     ends = batch.start_tensor + T
     if mass is not None:
         out, scores = kernel.attend_cached_scores(q, k_layer, v_layer, batch.slot_tensor, ends, T, mass.shape[-1])
@@ -172,7 +184,7 @@ def attend_cached_fused(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_la
     else:
         out = kernel.attend_positions(q, k_layer, v_layer, batch.slot_tensor, ends, T,
                                       positions.contiguous(), valid.contiguous())
-    return out.view(B, H, T, D).transpose(1, 2)  # out: [B, kv_heads, group * T, D]
+    return out.view(B, H, T, D).transpose(1, 2).to(query.dtype)  # out: [B, kv_heads, group * T, D]
 
 
 def attend_cached_torch(query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,

@@ -6,7 +6,7 @@ axis (transformers sees a batch of one sequence of N tokens, each with its own p
 linear layers run at M = N whatever the rows. Each segment's tokens attend to their slot's cached
 positions before `start` plus the segment itself, causally; every K/V row is read once per GQA group.
 
-Backends (held against the masked reference in the tests): the fused CPU kernel's `attend_prefill`
+Backends (held against the masked reference in the tests): the fused CPU kernel's `prefill_attention`
 (a tiled online softmax that never builds the [heads, tokens, context] score matrix), and a torch path
 per segment (the query heads of a group folded into the query axis, one matmul against the slot's K
 read in place) for other devices or without the kernel. This module does not decide what to prefill.
@@ -79,10 +79,10 @@ def attend_prefill(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: 
         if segment.observer is not None:
             segment.observer.observe(layer, query[0, :, offset:offset + segment.length], segment.start)
     if kernel is not None:
-        q = query[0].transpose(0, 1).contiguous()  # [N, heads, D], token-major
-        out = kernel.attend_prefill(q, k_layer, v_layer, batch.seg_slot, batch.seg_start, batch.seg_offset,
-                                    batch.seg_len, scale)  # [N, heads, D]
-        return out[None]
+        q = query[0].transpose(0, 1).float().contiguous()  # [N, heads, D], token-major
+        out = kernel.prefill_attention(q, k_layer, v_layer, batch.seg_slot, batch.seg_start, batch.seg_offset,
+                                       batch.seg_len, scale)  # [N, heads, D] float32
+        return out[None].to(query.dtype)
     return attend_segments_torch(query, k_layer, v_layer, batch, scale)
 
 

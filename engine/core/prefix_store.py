@@ -101,6 +101,14 @@ class PrefixStore:
             self.blocks.move_to_end(key)
         return [block for _, block in found]
 
+    def holds_start_of(self, ids: list[int]) -> bool:
+        """Whether the first full block of `ids` is stored (without marking it used)."""
+        if len(ids) < self.block:
+            return False
+        tokens = tuple(ids[: self.block])
+        block = self.blocks.get(hash((None, tokens)))
+        return block is not None and block.tokens == tokens
+
     def load(self, cache: KVCache, slot: int, blocks: list[_Block], length: int) -> None:
         """Copy the K/V of positions [0, length) (length <= blocks x block) into `slot` of `cache`."""
         for i, block in enumerate(blocks):

@@ -108,14 +108,15 @@ class Scheduler:
         """The requests to admit together into the free slots, and error results for those that cannot run.
 
         With prefix reuse a wave ends before a row that shares its first block with a row already in
-        it: that row is prefilled in the next wave, once the first one's prefix is in the store.
+        it, unless the store already holds that block: that row is prefilled in the next wave, once
+        the first one's prefix is in the store.
         """
         wave, errors = [], []
-        batch = self.recipe.batch
-        block = batch.prefix_block if batch.prefix_reuse else 0
+        store = self.decoder.prefill_targets[0].store
         while len(wave) < len(self.free_slots) and waiting:
             request = waiting.peek()
-            if block and any(shares_a_prefix(request.prompt_ids, other.prompt_ids, block) for other in wave):
+            if store is not None and any(shares_a_prefix(request.prompt_ids, other.prompt_ids, store.block)
+                                         for other in wave) and not store.holds_start_of(request.prompt_ids):
                 break
             waiting.pop()
             problem = slot_problem(request, self.max_len)

@@ -23,6 +23,7 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # columns the job keeps
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # the job's own data, carried untouched
 
 
 @dataclasses.dataclass

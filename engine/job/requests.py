@@ -3,7 +3,8 @@
 Each row gets a verdict: a `Request` to generate, an error record (unreadable row, bad OpenAI batch
 request, missing template column, a prompt that cannot fit its slot), or a duplicate (its id was
 already queued in this run; the output is keyed by id, so it is not generated twice). Ids come from
-`input.id_field`, an OpenAI batch row's `custom_id`, or the row number; ids made up from row numbers
+`input.id_field`, an OpenAI batch row's `custom_id` (read from the text of a line that is not valid
+JSON, when it can be), or the row number; ids made up from row numbers
 take the type of the input's own ids, so one output holds one id type (Parquet needs it).
 This module neither writes nor runs anything.
 """
@@ -18,7 +19,8 @@ from engine.core.scheduler import slot_problem
 from engine.core.sequence import Request
 from engine.errors import RowError
 from engine.job.io.input import InputRow
-from engine.job.io.openai_batch import openai_batch_request
+from engine.job.io.lines import endpoint_of
+from engine.job.io.openai_batch import openai_batch_request, salvage_custom_id
 from engine.job.io.output import id_key
 from engine.job.prompts import PromptBuilder
 
@@ -31,6 +33,7 @@ class RowVerdict:
     request: Request | None = None  # a good row: what the engine generates (None without a tokenizer)
     error: str | None = None  # the row becomes this error record
     duplicate: bool = False  # its id was already queued in this run
+    endpoint: str | None = None  # the OpenAI endpoint it answers (engine.job.io.lines.endpoint_of)
 
 
 def row_verdicts(rows: Iterable[InputRow], recipe: Recipe, builder: PromptBuilder, max_len: int, *,
@@ -53,6 +56,9 @@ def row_verdicts(rows: Iterable[InputRow], recipe: Recipe, builder: PromptBuilde
         max_new = recipe.sampling.max_new_tokens
         error = row.error
         openai = None
+        if row.data is None:
+            salvaged = salvage_custom_id(row.raw)
+            row_id = row_id if salvaged is None else salvaged
         if error is None:
             try:
                 openai = openai_batch_request(data)
@@ -71,7 +77,7 @@ def row_verdicts(rows: Iterable[InputRow], recipe: Recipe, builder: PromptBuilde
         key = id_key(row_id)
         if key in skip_ids:
             continue
-        verdict = RowVerdict(row.index, row_id, data)
+        verdict = RowVerdict(row.index, row_id, data, endpoint=endpoint_of(openai, data, recipe.prompt.chat))
         if key in queued:
             verdict.duplicate = True
             yield verdict
@@ -86,7 +92,8 @@ def row_verdicts(rows: Iterable[InputRow], recipe: Recipe, builder: PromptBuilde
             else:
                 ids = builder.token_ids(data, openai, max_new_tokens=max_new)
                 extra = {c: data.get(c) for c in recipe.output.keep_columns}
-                verdict.request = Request(row.index, row_id, ids, max_new, extra)
+                verdict.request = Request(row.index, row_id, ids, max_new, extra,
+                                          meta={"endpoint": verdict.endpoint})
                 problem = slot_problem(verdict.request, max_len)
                 if problem:
                     raise RowError(problem)

@@ -2,7 +2,8 @@
 
 `run_job` checks everything that can be checked before any model is loaded (recipe, input file,
 output path, KV-cache memory), then streams input rows through the prompt builder into the engine,
-writes every finished row at once (crash-safe, resumable), and writes the report. Rows that are
+writes every finished row at once (crash-safe, resumable; in the row format and order the recipe
+asks for, `engine.job.io.lines` and `engine.job.io.output`), and writes the report. Rows that are
 unusable become error records and the job goes on. Progress goes to a `ProgressSink` supplied by the
 caller (the CLI draws it with Rich); this module prints nothing and knows nothing about terminals.
 """
@@ -14,14 +15,17 @@ import time
 from pathlib import Path
 from typing import AbstractSet, Any, Callable, Iterator, Protocol
 
-from engine.config.loading import load_recipe
 from engine.config.schema import Recipe
 from engine.core.attention import ATTN_NAME  # importing it registers the engine's attention with transformers
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, Result
-from engine.errors import JobError
-from engine.job.io.input import InputReader, open_input
+from engine.errors import JobError, OutputError
+from engine.job.io.common import one_line
+from engine.job.io.input import InputReader
+from engine.job.io.lines import LineFormat
 from engine.job.io.output import OutputWriter
+from engine.job.options import (JobOptions, default_output_path, default_report_path,  # noqa: F401
+                                open_output, output_manifest, prepare)
 from engine.job.memory import check_memory
 from engine.job.prompts import PromptBuilder
 from engine.job.report import JobReport, prefix_summary
@@ -49,18 +53,6 @@ class NoProgress:
 
 
 @dataclasses.dataclass
-class JobOptions:
-    recipe: str
-    input: str
-    output: str | None = None
-    report: str | None = None
-    overrides: tuple[str, ...] = ()
-    mode: str = "new"  # new | resume | overwrite
-    limit: int | None = None
-    tp: int = 1
-
-
-@dataclasses.dataclass
 class JobOutcome:
     report: dict[str, Any]
     report_path: Path
@@ -69,42 +61,6 @@ class JobOutcome:
     # The counters behind `report`, for merging the reports of data-parallel groups (engine.parallel).
     job_report: JobReport | None = None
     stats: Any = None  # engine.stats.EngineStats
-
-
-def default_output_path(input_path: Path, recipe: Recipe) -> Path:
-    """`<input stem>.<recipe name>.jsonl` next to the input (docs.jsonl.gz -> docs.docqa.jsonl)."""
-    name = input_path.name
-    for suffix in (".jsonl.gz", ".jsonl", ".parquet"):
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-            break
-    return input_path.with_name(f"{name}.{recipe.name}.jsonl")
-
-
-def default_report_path(output: Path) -> Path:
-    return Path(str(output) + ".report.json")
-
-
-def prepare(options: JobOptions) -> tuple[Recipe, InputReader, Path, Path]:
-    """Everything checked before loading a model; raises JobError (exit 2) with one line."""
-    recipe = load_recipe(options.recipe, options.overrides)
-    reader = open_input(options.input)
-    output = Path(options.output) if options.output else default_output_path(Path(options.input), recipe)
-    report = Path(options.report) if options.report else default_report_path(output)
-    if output.resolve() == Path(options.input).resolve():
-        raise JobError(f"{output}: the output would overwrite the input")
-    if reader.total == 0 or next(iter(reader), None) is None:
-        raise JobError(f"{options.input}: the input has no rows")
-    return recipe, reader, output, report
-
-
-def output_manifest(recipe: Recipe, input_path: str) -> dict[str, Any]:
-    """What an output depends on: resuming is refused if these differ (batch size, gamma, the draft
-    method and the like only change the speed, so they may change between runs)."""
-    full = recipe.to_dict()
-    affects = {k: full[k] for k in ("model", "dtype", "sampling", "prompt", "input", "output")}
-    return {"recipe": affects, "model": recipe.model, "recipe_name": recipe.name,
-            "input": str(Path(input_path).resolve()), "full_recipe": full}
 
 
 def load_engine(recipe: Recipe, parallel=None) -> Scheduler:
@@ -125,11 +81,10 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     of the rows and hands each request to the other tensor-parallel ranks; None = this process alone."""
     progress = progress or NoProgress()
     recipe, reader, output_path, report_path = prepare(options)
-    manifest = output_manifest(recipe, options.input)
     check_memory(recipe, tp=options.tp)
 
     def open_writer() -> OutputWriter:
-        return OutputWriter(output_path, mode=options.mode, manifest=manifest)
+        return open_output(options, recipe, output_path, reader)
 
     # An existing output is refused (or checked for --resume) before the model loads; --overwrite
     # deletes the old output only once the model has loaded, so a failed load costs nothing.
@@ -180,7 +135,7 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     report.prefix_reuse = prefix_summary(engine.decoder.prefill_targets[0].store)
     summary = report.to_dict(engine.stats)
     summary["job"]["input_rows_total"] = reader.total
-    write_report(summary, report_path)
+    save_report(summary, report_path)
     return JobOutcome(summary, report_path, output_path, report.exit_code, job_report=report, stats=engine.stats)
 
 
@@ -195,25 +150,37 @@ def _requests(reader: InputReader, recipe: Recipe, builder: PromptBuilder, max_l
             report.rows_failed += 1
             report.extra.setdefault("duplicate_ids", []).append(verdict.id)
         elif verdict.error is not None:
-            _write_error(writer, report, verdict.id, verdict.error, verdict.data, recipe)
+            _write_error(writer, report, verdict, recipe)
         else:
             yield verdict.request
 
 
-def _write_error(writer: OutputWriter, report: JobReport, row_id: Any, message: str, data: dict,
-                 recipe: Recipe) -> None:
-    row = {"id": row_id, "text": None, "finish_reason": "error", "prompt_tokens": 0, "output_tokens": 0,
-           "error": message}
-    row.update({c: data.get(c) for c in recipe.output.keep_columns})
-    writer.write(row)
+def save_report(summary: dict, path: Path) -> None:
+    """Write the report files; a failed write (disk full) is an OutputError, like a failed row write."""
+    try:
+        write_report(summary, path)
+    except OSError as exc:
+        raise OutputError(f"{path}: writing the report failed ({one_line(exc)}); every row is in the "
+                          "output: fix the cause and rerun with --resume to write the report") from None
+
+
+def _write_error(writer: OutputWriter, report: JobReport, verdict, recipe: Recipe) -> None:
+    row = {"id": verdict.id, "text": None, "finish_reason": "error", "prompt_tokens": 0, "output_tokens": 0,
+           "error": verdict.error}
+    lines: LineFormat = writer.lines
+    if lines.name == "magicdec":
+        row.update({c: verdict.data.get(c) for c in recipe.output.keep_columns})
+    writer.write(lines.encode(row, verdict.endpoint), verdict.index)
     report.rows_failed += 1
 
 
 def _write_result(writer: OutputWriter, report: JobReport, result: Result) -> None:
-    row = {"id": result.request.id, "text": result.text, "finish_reason": result.finish_reason,
+    request = result.request
+    row = {"id": request.id, "text": result.text, "finish_reason": result.finish_reason,
            "prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens, "error": result.error}
-    row.update(result.request.extra)
-    writer.write(row)
+    if writer.lines.name == "magicdec":
+        row.update(request.extra)
+    writer.write(writer.lines.encode(row, request.meta.get("endpoint")), request.index)
     if result.finish_reason == "error":
         report.rows_failed += 1
     else:

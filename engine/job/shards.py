@@ -1,90 +1,47 @@
 """One output from many writers: data-parallel shards beside the output, folded and merged.
 
-With `--dp M` each group's leader writes its own shard `<output stem>.dp<g><ext>`; at the end global
-rank 0 merges the shards into the one output and the one report (`merge_shards`, `merge_reports`),
-and `--resume` first folds every shard a killed run left (with any dp) into the output
+With `--dp M` each group's leader writes its own shard `<output stem>.dp<g><ext>` (left in its parts,
+rows keeping their input row numbers); at the end global rank 0 merges the shards into the one
+output, in the order the recipe asks, and the one report (`merge_shards`, `merge_reports`), and
+`--resume` first folds every shard a killed run left (with any dp) into the output
 (`settle_outputs`). Nothing here starts processes or talks to other ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine.errors import JobError
+from engine.job.io.input import InputReader, open_input
+from engine.job.io.output import id_key
+from engine.job.io.paths import existing_shards, shard_path, side_path  # noqa: F401 (shard names live there)
+from engine.job.options import JobOptions, check_outputs, open_output  # noqa: F401
 from engine.job.report import merge_prefix_summaries
-from engine.job.run import JobOptions, output_manifest
-
-
-def check_outputs(mode: str, output: Path) -> None:
-    """Without --resume/--overwrite, refuse an existing output or shards a --dp run left. Touches nothing."""
-    if mode != "new":
-        return
-    for path in [output, _side_path(output, ".manifest.json"), _side_path(output, ".parts"), *existing_shards(output)]:
-        if path.exists():
-            raise JobError(f"{path} exists; use --resume to continue it or --overwrite to replace it")
-
-def _side_path(path: Path, suffix: str) -> Path:
-    return path.with_name(path.name + suffix)
-
-
-def _split_name(output: Path) -> tuple[str, str]:
-    """`run.docqa.jsonl` -> (`run.docqa`, `.jsonl`)."""
-    for ext in (".jsonl", ".parquet"):
-        if output.name.lower().endswith(ext):
-            return output.name[: -len(ext)], output.name[-len(ext):]
-    return output.name, ""
-
-
-def shard_path(output: Path, group: int) -> Path:
-    """Group g's output while the job runs: `out.jsonl` -> `out.dp<g>.jsonl` (same format)."""
-    stem, ext = _split_name(output)
-    return output.with_name(f"{stem}.dp{group}{ext}")
-
-
-def existing_shards(output: Path) -> list[Path]:
-    """The shards next to `output`, from a run with any dp (their number need not match this run's).
-
-    A shard counts as there if any of its files is: its rows, its manifest, or its Parquet parts (a
-    Parquet shard killed before its first part has only those two).
-    """
-    stem, ext = _split_name(output)
-    pattern = re.compile(re.escape(stem) + r"\.dp(\d+)" + re.escape(ext) + r"(\.manifest\.json|\.parts)?$")
-    found = {}
-    if output.parent.is_dir():
-        for path in output.parent.iterdir():
-            match = pattern.match(path.name)
-            if match:
-                found[int(match.group(1))] = shard_path(output, int(match.group(1)))
-    return [found[group] for group in sorted(found)]
 
 
 def remove_shard(shard: Path) -> None:
-    """A shard with its manifest, Parquet parts and report files."""
+    """A shard with its manifest, parts and report files."""
     from engine.job.report_render import twin_path
-    from engine.job.run import default_report_path
+    from engine.job.options import default_report_path
 
     report = default_report_path(shard)
-    for path in (shard, _side_path(shard, ".manifest.json"), report, twin_path(report, ".md"),
+    for path in (shard, side_path(shard, ".manifest.json"), report, twin_path(report, ".md"),
                  twin_path(report, ".png")):
         path.unlink(missing_ok=True)
-    shutil.rmtree(_side_path(shard, ".parts"), ignore_errors=True)
+    for folder in (".parts", ".sorting"):
+        shutil.rmtree(side_path(shard, folder), ignore_errors=True)
 
 
-def shard_rows(shard: Path, manifest: dict) -> Iterator[dict]:
-    """The rows of a shard. Opening it for --resume first checks its manifest against this job and
-    tidies what a killed writer left (a half-written JSONL line; Parquet parts are merged)."""
-    from engine.job.io.input import open_input
-    from engine.job.io.output import OutputWriter
-
-    with OutputWriter(shard, mode="resume", manifest=manifest):
-        pass
-    for row in open_input(shard):
-        if row.data is not None:
-            yield row.data
+def shard_entries(options: JobOptions, recipe, shard: Path, reader: InputReader) -> Iterator[tuple[int | None, dict]]:
+    """(input row number, line) of every row of a shard. Opening it for --resume first checks its
+    manifest against this job and tidies what a killed writer left (a half-written last line)."""
+    writer = open_output(options, recipe, shard, reader, mode="resume", finalize=False)
+    try:
+        yield from writer.entries()
+    finally:
+        writer.close()
 
 
 @dataclasses.dataclass
@@ -96,15 +53,14 @@ class Settled:
     failed: int = 0  # of those, error records
 
 
-def settle_outputs(options: JobOptions, recipe, output: Path, dp: int) -> Settled:
+def settle_outputs(options: JobOptions, recipe, output: Path, dp: int, reader: InputReader | None = None) -> Settled:
     """Global rank 0, before any group starts: make the final output the one home of finished rows.
 
     new: refuse an existing output or shards. overwrite: remove them. resume: fold the rows of every
-    shard a killed run left into the output (each id once) and remove the shards. With dp > 1 the
-    output is opened (created) here and the groups write shards; with dp 1 run_job opens it itself.
+    shard a killed run left into the output (each id once, keeping their input row numbers) and
+    remove the shards. With dp > 1 the output is opened (created) here and the groups write shards;
+    with dp 1 run_job opens it itself. The output is left unmerged: the job adds to it.
     """
-    from engine.job.io.output import OutputWriter, id_key
-
     check_outputs(options.mode, output)
     shards = existing_shards(output)
     if options.mode == "overwrite":
@@ -113,37 +69,37 @@ def settle_outputs(options: JobOptions, recipe, output: Path, dp: int) -> Settle
         shards = []
     if dp == 1 and not shards:
         return Settled()
-    manifest = output_manifest(recipe, options.input)
-    with OutputWriter(output, mode=options.mode, manifest=manifest) as writer:
+    reader = reader or open_input(options.input)
+    with open_output(options, recipe, output, reader, finalize=False) as writer:
         settled = Settled(rows=len(writer.done_ids), failed=writer.done_errors)
         for shard in shards:
-            for row in shard_rows(shard, manifest):
-                if id_key(row["id"]) not in writer.done_ids:  # a merge killed half-way leaves both copies
-                    writer.write(row)
+            for index, line in shard_entries(options, recipe, shard, reader):
+                if id_key(writer.lines.key_of(line)) not in writer.done_ids:  # a merge killed half-way leaves both
+                    writer.write(line, index)
                     settled.rows += 1
-                    settled.failed += row.get("finish_reason") == "error"
+                    settled.failed += writer.lines.is_error(line)
         settled.done_ids = frozenset(writer.done_ids)
     for shard in shards:
         remove_shard(shard)
     return settled
 
 
-def merge_shards(output: Path, manifest: dict, shards: list[Path]) -> list[dict]:
-    """Append every shard's rows to the output (each id once) and remove the shards.
+def merge_shards(options: JobOptions, recipe, output: Path, shards: list[Path],
+                 reader: InputReader | None = None) -> list[dict]:
+    """Add every shard's rows to the output (each id once), finish the output, remove the shards.
 
     Returns the rows dropped because another group had already written their id (the input had the
-    id twice, in rows that went to different groups).
+    id twice, in rows that went to different groups), as magicdec-style {"id", "error"} summaries.
     """
-    from engine.job.io.output import OutputWriter, id_key
-
     dropped = []
-    with OutputWriter(output, mode="resume", manifest=manifest) as writer:
+    reader = reader or open_input(options.input)
+    with open_output(options, recipe, output, reader, mode="resume", finalize=True) as writer:
         for shard in shards:
-            for row in shard_rows(shard, manifest):
-                if id_key(row["id"]) in writer.done_ids:
-                    dropped.append(row)
+            for index, line in shard_entries(options, recipe, shard, reader):
+                if id_key(writer.lines.key_of(line)) in writer.done_ids:
+                    dropped.append({"id": writer.lines.key_of(line), "error": writer.lines.is_error(line)})
                 else:
-                    writer.write(row)
+                    writer.write(line, index)
     for shard in shards:
         remove_shard(shard)
     return dropped
@@ -193,7 +149,7 @@ def merge_reports(parts: list[tuple[dict, Any, Any]], output: Path, settled: Set
     duplicates = [d for r in reports for d in r.extra.get("duplicate_ids", [])]
     for row in dropped:
         duplicates.append(row["id"])
-        if row.get("finish_reason") != "error":
+        if not row["error"]:
             merged.rows_ok -= 1
             merged.rows_failed += 1
     if duplicates:

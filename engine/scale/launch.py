@@ -8,6 +8,7 @@ stopped, and SIGINT / SIGTERM are forwarded. Workers die with it (`die_with_laun
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -15,9 +16,8 @@ import subprocess
 import sys
 import time
 
-from engine.job.run import JobOptions, prepare
-from engine.job.shards import check_outputs
-from engine.scale.topology import check_tensor_parallel
+from engine.job.options import JobOptions, check_outputs, claim_output, prepare
+from engine.scale.topology import check_tensor_parallel, world_size
 
 STOP_GRACE_S = 5.0  # after a failure or a signal, how long the workers get before SIGKILL
 LAUNCHER_PID_ENV = "MAGICDEC_LAUNCHER_PID"
@@ -41,14 +41,30 @@ def launch(command: list[str], *, tp: int, dp: int | None, options: JobOptions) 
     """Start tp x dp workers running `command` (argv, e.g. `python -m magicdec_cli.main run ...`) on this
     machine; return the job's exit code.
 
-    Everything checkable is checked here first, so a bad job is one line and nothing starts.
-    Raises WorkersFailed when a worker fails (the others are stopped) or on SIGINT / SIGTERM.
+    Everything checkable is checked here first, so a bad job is one line and nothing starts. The
+    output's lock is taken here and held until every worker has ended (they know it from
+    LAUNCHER_PID_ENV). Raises WorkersFailed when a worker fails (the others are stopped) or on
+    SIGINT / SIGTERM.
     """
     dp = dp or 1
     world = tp * dp
     recipe, _, output, _ = prepare(options)
     check_tensor_parallel(recipe, tp, dp, world)
-    check_outputs(options.mode, output)
+    with claim_output(output):
+        check_outputs(options.mode, output)
+        return _start(command, world)
+
+
+def job_lock(options: JobOptions):
+    """The output's lock, when this process is the whole job (no launcher around it): a context
+    manager. Otherwise a no-op: `launch` or global rank 0 (`engine.scale.run`) takes the lock."""
+    if world_size() != 1:
+        return contextlib.nullcontext()
+    _, _, output, _ = prepare(options)
+    return claim_output(output)
+
+
+def _start(command: list[str], world: int) -> int:
     port = _free_port()
     threads = max(1, _cpu_count() // world)
     procs = []

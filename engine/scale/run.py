@@ -16,18 +16,22 @@ import os
 from pathlib import Path
 
 from engine.errors import JobError
-from engine.job.run import JobOptions, JobOutcome, load_engine, output_manifest, prepare, run_job
+from engine.job.options import claim_output
+from engine.job.run import JobOptions, JobOutcome, load_engine, prepare, run_job, save_report
 from engine.job.shards import Settled, existing_shards, merge_reports, merge_shards, settle_outputs, shard_path
 from engine.scale.group import Group
-from engine.scale.launch import WorkersFailed, die_with_launcher
+from engine.scale.launch import LAUNCHER_PID_ENV, WorkersFailed, die_with_launcher
 from engine.scale.topology import Topology, check_tensor_parallel, local_processes, topology, world_size
 
 
 def run(options: JobOptions, progress, *, tp: int = 1, dp: int | None = None) -> JobOutcome | None:
-    """Run this process's part of the job; the outcome on global rank 0, None on every other rank."""
+    """Run this process's part of the job; the outcome on global rank 0, None on every other rank.
+
+    The output's lock is the job's: a single process (or the launcher that started this one) takes
+    it before calling here (`claim_output`); under an external launcher global rank 0 takes it."""
     if tp * (dp or 1) == 1 and world_size() == 1:
-        recipe, _, output, _ = prepare(options)
-        settle_outputs(options, recipe, output, dp=1)  # folds the shards of a killed --dp run
+        recipe, reader, output, _ = prepare(options)
+        settle_outputs(options, recipe, output, dp=1, reader=reader)  # folds the shards of a killed --dp run
         return run_job(options, progress)
     topo = topology(tp, dp)
     die_with_launcher()
@@ -53,17 +57,30 @@ def _run_ranks(options: JobOptions, progress, group: Group, recipe, output: Path
                report_path: Path) -> JobOutcome | None:
     """Every rank, once the process groups exist: rank 0 settles the outputs, the groups run, rank 0 merges."""
     topo = group.topo
-    settled = group.announce(lambda: settle_outputs(options, recipe, output, topo.dp))
-    if topo.dp == 1:
-        return _run_in_group(options, progress, group)
-    group.skip_ids = settled.done_ids
-    mine = dataclasses.replace(options, output=str(shard_path(output, topo.group)), report=None, mode="new")
-    outcome = _run_in_group(mine, progress, group)
-    part = (outcome.report, outcome.job_report, outcome.stats) if outcome is not None else None
-    parts = group.gather(part)  # waits for every group to finish
-    if topo.rank != 0:
-        return None
-    return _finish(options, recipe, output, report_path, settled, [p for p in parts if p is not None])
+    lock = None
+
+    def settle() -> Settled:
+        nonlocal lock
+        if not os.environ.get(LAUNCHER_PID_ENV):  # our own launcher holds the lock for the whole job
+            lock = claim_output(output)
+        return settle_outputs(options, recipe, output, topo.dp)
+
+    try:
+        settled = group.announce(settle)
+        if topo.dp == 1:
+            return _run_in_group(options, progress, group)
+        group.skip_ids = settled.done_ids
+        mine = dataclasses.replace(options, output=str(shard_path(output, topo.group)), report=None, mode="new",
+                                   finalize=False)
+        outcome = _run_in_group(mine, progress, group)
+        part = (outcome.report, outcome.job_report, outcome.stats) if outcome is not None else None
+        parts = group.gather(part)  # waits for every group to finish
+        if topo.rank != 0:
+            return None
+        return _finish(options, recipe, output, report_path, settled, [p for p in parts if p is not None])
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _run_in_group(options: JobOptions, progress, group: Group) -> JobOutcome | None:
@@ -81,12 +98,9 @@ def _run_in_group(options: JobOptions, progress, group: Group) -> JobOutcome | N
 def _finish(options: JobOptions, recipe, output: Path, report_path: Path, settled: Settled,
             parts: list) -> JobOutcome:
     """Global rank 0, once every group is done: one output, one report, no shards."""
-    from engine.job.report_render import write_report
-
-    manifest = output_manifest(recipe, options.input)
-    dropped = merge_shards(output, manifest, existing_shards(output))
+    dropped = merge_shards(options, recipe, output, existing_shards(output))
     summary, exit_code = merge_reports(parts, output, settled, dropped)
-    write_report(summary, report_path)
+    save_report(summary, report_path)
     return JobOutcome(summary, report_path, output, exit_code)
 
 

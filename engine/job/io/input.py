@@ -30,6 +30,7 @@ class InputRow:
     index: int  # 0-based row number in the input file (JSONL: blank lines are not rows)
     data: dict | None  # the row's columns; None when the row itself is unreadable
     error: str | None = None  # one line saying why the row is unreadable
+    raw: bytes | None = None  # an unreadable JSONL row: its line as read (to salvage its id from)
 
 
 class InputReader:
@@ -70,7 +71,8 @@ class InputReader:
                     if line_no == 1:
                         raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
                     if raw.strip():
-                        yield InputRow(index, *_parse_line(raw, line_no))
+                        data, error = _parse_line(raw, line_no)
+                        yield InputRow(index, data, error, raw if data is None else None)
                         index += 1
         except (OSError, EOFError, zlib.error) as exc:
             raise JobError(f"{self.path}: unreadable after row {index}: {one_line(exc)}") from None

@@ -7,6 +7,8 @@ A row with `custom_id` and `body` is a request: `body.prompt` (`/v1/completions`
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from engine.errors import RowError
@@ -44,6 +46,26 @@ def openai_batch_request(data: dict) -> dict | None:
     messages = _batch_messages(body["messages"]) if "messages" in body else None
     return {"id": custom_id, "prompt": prompt, "messages": messages,
             "overrides": _batch_overrides(body)}
+
+
+def looks_like_openai_batch(data: dict | None) -> bool:
+    """Whether a row is meant as an OpenAI batch request (it may still be one magicdec cannot run)."""
+    return isinstance(data, dict) and "custom_id" in data and "body" in data
+
+
+_SALVAGE_ID = re.compile(rb'"custom_id"\s*:\s*("(?:[^"\\]|\\.)*"|-?[0-9]+)')
+
+
+def salvage_custom_id(raw: bytes | None) -> str | int | None:
+    """The `custom_id` of a line that is not valid JSON, when it can still be read from its text."""
+    match = _SALVAGE_ID.search(raw) if raw else None
+    if match is None:
+        return None
+    try:
+        value = json.loads(match.group(1).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, (str, int)) else None
 
 
 def _batch_prompt(prompt: Any) -> str:

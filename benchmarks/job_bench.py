@@ -1,0 +1,118 @@
+"""Whole jobs side by side: `magicdec run` under several settings (and checkouts), one after another
+in one invocation, each job's own report collected, with a 2048^3 float32 matmul timed beside each.
+
+What users pay is the whole job (prefill + decode), so this is the benchmark behind the job-level
+figures in BENCHMARKS.md: prefill tokens/s, decode tokens/s, wall time (load excluded), prefix reuse,
+acceptance. A config is `label=checkout:set1,set2,...` where checkout is a folder holding a magicdec
+checkout (its own `engine/` is imported: e.g. a `git worktree` of an older commit) and each set is a
+`--set KEY=VALUE`. Example (the prefill issue's table):
+
+    .venv/bin/python benchmarks/job_bench.py --recipe generic --input sample_data/long.jsonl \\
+        --common sampling.max_new_tokens=96,batch.size=16 \\
+        --config old=/work/baseline:draft.method=none --config new=.:draft.method=none \\
+        --out benchmarks/results/job_prefill
+
+Writes `<out>/jobs.json` (every report, the matmul rates, the commands) and `<out>/jobs.md`.
+Not a test: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MATMUL = ("import torch, time; a, b = torch.randn(2048, 2048), torch.randn(2048, 2048); a @ b; t = []\n"
+          "for _ in range(5):\n s = time.perf_counter(); a @ b; t.append(time.perf_counter() - s)\n"
+          "print(2 * 2048 ** 3 / sorted(t)[2] / 1e9)")
+
+
+def matmul_gflops() -> float:
+    out = subprocess.run([sys.executable, "-c", MATMUL], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+def run_config(label: str, checkout: Path, sets: list[str], args, out: Path) -> dict:
+    output = out / f"{label}.jsonl"
+    command = [sys.executable, "-m", "magicdec_cli.main", "run", args.recipe, "--input", str(Path(args.input).resolve()),
+               "--output", str(output.resolve()), "--overwrite", "--json"]
+    for item in [*args.common, *sets]:
+        command += ["--set", item]
+    started = time.time()
+    result = subprocess.run(command, cwd=checkout, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(checkout.resolve())})
+    if result.returncode not in (0, 1):
+        raise SystemExit(f"{label}: exit {result.returncode}: {result.stderr.strip()[-2000:]}")
+    report = json.loads(result.stdout)
+    return {"label": label, "checkout": str(checkout), "sets": sets, "command": command,
+            "process_s": time.time() - started, "report": report}
+
+
+def summary(row: dict) -> dict:
+    r = row["report"]
+    th, job, sp = r["throughput"], r["job"], r["speculative"]
+    prefill_tps = th["prefill_tokens"] / th["prefill_s"] if th["prefill_s"] else 0.0
+    return {"label": row["label"], "wall_s": job["wall_s"], "load_s": job.get("load_s"), "prefill_s": th["prefill_s"],
+            "prefill_tokens": th["prefill_tokens"], "prefill_tokens_reused": th.get("prefill_tokens_reused", 0),
+            "prefill_tokens_per_s": prefill_tps, "decode_s": th["decode_s"], "decode_tokens": th["decode_tokens"],
+            "decode_tokens_per_s": th["decode_tokens_per_s"], "method": sp["method"],
+            "acceptance_rate": sp["acceptance_rate"], "mean_gamma": sp["gamma"],
+            "peak_bytes": r["memory"]["peak_bytes"], "rows_ok": job["rows_ok"], "matmul_gflops": row["matmul_gflops"]}
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"Measured {meta['date']} on {meta['machine']} ({meta['threads']} threads), input `{meta['input']}`, "
+             f"recipe `{meta['recipe']}`, common settings `{' '.join(meta['common']) or '-'}`.", "",
+             "| config | wall s (load excl.) | prefill s | prefill tok computed | reused | prefill tok/s | decode s "
+             "| decode tok/s | method | acceptance | peak GiB | 2048^3 matmul GFLOP/s beside it |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in rows:
+        lines.append(f"| {s['label']} | {s['wall_s']:.1f} | {s['prefill_s']:.1f} | {s['prefill_tokens']} | "
+                     f"{s['prefill_tokens_reused']} | {s['prefill_tokens_per_s']:.1f} | {s['decode_s']:.1f} | "
+                     f"{s['decode_tokens_per_s']:.1f} | {s['method']} | {s['acceptance_rate']:.2f} | "
+                     f"{s['peak_bytes'] / 2**30:.2f} | {s['matmul_gflops']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--common", default="", help="comma-separated KEY=VALUE sets for every config")
+    parser.add_argument("--config", action="append", required=True, help="label=checkout:KEY=VALUE,KEY=VALUE")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.common = [x for x in args.common.split(",") if x]
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for spec in args.config:
+        label, _, rest = spec.partition("=")
+        checkout, _, sets = rest.partition(":")
+        gflops = matmul_gflops()
+        row = run_config(label, Path(checkout), [x for x in sets.split(",") if x], args, args.out)
+        row["matmul_gflops"] = (gflops + matmul_gflops()) / 2  # before and after the job
+        rows.append(row)
+        s = summary(row)
+        print(f"{label}: wall {s['wall_s']:.1f} s, prefill {s['prefill_tokens_per_s']:.1f} tok/s, "
+              f"decode {s['decode_tokens_per_s']:.1f} tok/s, matmul {s['matmul_gflops']:.0f} GFLOP/s", flush=True)
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 platform.processor() or platform.machine())
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": model,
+            "cpus": os.cpu_count(), "native_bf16": "avx512_bf16" in cpuinfo or "amx_bf16" in cpuinfo,
+            "threads": torch.get_num_threads(), "input": args.input, "recipe": args.recipe, "common": args.common,
+            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
+    (args.out / "jobs.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=2, default=str) + "\n")
+    (args.out / "jobs.md").write_text(markdown([summary(r) for r in rows], meta))
+    print(f"wrote {args.out / 'jobs.json'} and {args.out / 'jobs.md'}")
+
+
+if __name__ == "__main__":
+    main()
