@@ -67,8 +67,6 @@ def test_attention_mass_matches_the_softmax(monkeypatch, backend, T):
         kernel = cpu_kernels.load()
         if kernel is None:
             pytest.skip("the fused CPU kernel could not be built here (no C++ compiler?)")
-        if not hasattr(kernel, "attend_cached_scores"):
-            pytest.skip("this kernel build has no attend_cached_scores yet (the torch path computes the mass)")
     g = torch.Generator().manual_seed(T)
     batch_plain = ForwardBatch(cache, [2, 0, 1], [0, 63, 250], T)
     mass = torch.full((1, 3, KV_HEADS, 260), float("nan"))  # written in full, zeros past each row's end
@@ -85,6 +83,16 @@ def test_attention_mass_matches_the_softmax(monkeypatch, backend, T):
 
 
 # ----------------------------------------------------------------------------- the selection
+
+@pytest.fixture(params=["kernel", "torch"])
+def selection(request, monkeypatch):
+    """Selection (and store refill) by the C++ op, or by the torch ops used where it is not built."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    elif cpu_kernels.load() is None:
+        pytest.skip("the fused CPU kernel could not be built here (no C++ compiler?)")
+    return request.param
+
 
 def guided_reference(scores, L, budget, sink, window):
     """Per KV head: the positions the rule keeps (a set) and the candidate scores, by loops.
@@ -155,7 +163,7 @@ def snapkv_scores(queries, keys, prompt_len, window, kernel):
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.5])
-def test_selection_follows_prefill_then_each_round(smoothing):
+def test_selection_follows_prefill_then_each_round(selection, smoothing):
     cache = filled_cache(seed=1)
     config = DraftConfig(method="guided", budget=40, sink=4, window=6, kernel_size=3, smoothing=smoothing)
     method = Guided(config, cache, HEADS)
@@ -194,7 +202,37 @@ def test_selection_follows_prefill_then_each_round(smoothing):
     assert int(method.kept_count[2]) == config.budget - config.window  # row 2 now fills its kept part
 
 
-def test_short_rows_read_everything():
+def test_kernel_selection_with_ties_and_any_pivot_hint():
+    """The C++ op against a sort by loops: ties go to the lowest positions, and the previous round's
+    threshold (the pivot hint: far too high, far too low, none) never changes the result."""
+    kernel = cpu_kernels.load()
+    if kernel is None:
+        pytest.skip("the fused CPU kernel could not be built here (no C++ compiler?)")
+    g = torch.Generator().manual_seed(7)
+    layers, B, H, N, sink, top, slots_n = 2, 3, 2, 90, 3, 20, 4
+    scores = torch.randint(0, 6, (layers, B, H, N), generator=g).float()  # many ties
+    slots = torch.tensor([3, 0, 2])
+    kept_end = torch.tensor([90, 15, 60])  # row 1: fewer candidates than `top` (keeps them all)
+    for hint_value in (0.0, 1e-3, 2.0, 1e6):
+        kept = torch.full((layers, slots_n, H, sink + top), -7, dtype=torch.long)
+        hint = torch.full((layers, B, H), hint_value)
+        changed = kernel.guided_select(scores, slots, kept_end, torch.zeros(B, dtype=torch.long), kept, hint,
+                                       1.0, sink, top, None, None, None, None)
+        assert changed == 0  # no store given
+        for layer in range(layers):
+            for b in range(B):
+                end = int(kept_end[b])
+                for h in range(H):
+                    ranked = sorted(range(sink, end), key=lambda p: (-float(scores[layer, b, h, p]), p))
+                    count = sink + min(top, end - sink)
+                    want = list(range(sink)) + sorted(ranked[:top])
+                    assert kept[layer, int(slots[b]), h, :count].tolist() == want
+                    assert (kept[layer, int(slots[b]), h, count:] == -7).all()
+                    if end - sink > top:  # the hint now holds this round's threshold
+                        assert float(hint[layer, b, h]) == float(scores[layer, b, h, ranked[top - 1]])
+
+
+def test_short_rows_read_everything(selection):
     cache = filled_cache(seed=3)
     config = DraftConfig(method="guided", budget=40, sink=4, window=6)
     method = Guided(config, cache, HEADS)
@@ -203,7 +241,7 @@ def test_short_rows_read_everything():
         assert view_sets(method.view([1], [end]), 0, 1)[0] == [set(range(end))] * KV_HEADS
 
 
-def test_compact_store_refills_only_what_changed():
+def test_compact_store_refills_only_what_changed(selection):
     cache = filled_cache(seed=4)
     config = DraftConfig(method="guided", budget=40, sink=4, window=6)
     method = Guided(config, cache, HEADS)

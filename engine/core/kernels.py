@@ -1,5 +1,5 @@
 """The fused CPU kernels (`engine/core/csrc`: decode/verify/draft attention, chunked-prefill attention,
-and the lean draft's small ops), compiled once per machine on first use.
+the lean draft's small ops and the guided view's selection), compiled once per machine on first use.
 
 torch's C++ extension builder compiles them with the host's vector instructions (-march=native) into
 the cache folder, keyed by the sources and the CPU's flags, so a shared home directory never loads a
@@ -22,7 +22,7 @@ from pathlib import Path
 from engine.cache_dir import cache_root, file_lock
 
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_draft_ops.cpp")]
+           for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_draft_ops.cpp", "cpu_guided.cpp")]
 REQUIRE_ENV = "MAGICDEC_REQUIRE_KERNEL"  # "1": a failed build raises instead of falling back to torch
 _state: dict[str, object] = {}
 log = logging.getLogger(__name__)

@@ -24,15 +24,18 @@ and returns the mass, and the round's later draft steps read the view chosen fro
 
 With the lean CPU draft the view lives in the draft's compact bf16 store: after each selection only
 the kept entries whose position changed are copied from the target cache (a position that stays
-keeps its entry), the ring of newest positions is refreshed as for the other methods. Selection
-(`select_top`) is the brute-forceable rule above; the tests hold it to a loop over positions. This
-module chooses positions; it does not compute attention.
+keeps its entry), the ring of newest positions is refreshed as for the other methods. On CPU the
+selection and that refill run as one C++ op (`guided_select`, engine/core/csrc/cpu_guided.cpp: a
+partial selection per (layer, row, KV head), not a sort); elsewhere, or without a compiler, as torch
+ops (`select_top`, `_refill`). Both are the rule above, and the tests hold each to a loop over
+positions. This module chooses positions; it does not compute attention.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.core import kernels as cpu_kernels
 from engine.spec.compressors.base import Compressor, FixedKeptView
 from engine.spec.compressors.snapkv import pool_scores, window_scores
 
@@ -60,8 +63,10 @@ class Guided(Compressor):
         if config.smoothing > 0:
             self.scores = torch.zeros(layers, slots, kv_heads, cache.capacity, dtype=torch.float32,
                                       device=cache.device)
+        # [layers, slots, kv_heads]: each task's last selection threshold, the C++ op's starting pivot
+        self.threshold = torch.zeros(layers, slots, kv_heads, dtype=torch.float32, device=cache.device)
         self.changed_entries = 0  # kept entries refilled from the cache (with a compact store), for the record
-        self.selected_entries = 0
+        self.selected_entries = 0  # kept entries chosen by the re-selections after rounds (prefill excluded)
 
     @staticmethod
     def kept_entries(config) -> int:
@@ -111,17 +116,19 @@ class Guided(Compressor):
             index = torch.tensor(rows, dtype=torch.long, device=device)
             if len(rows) < mass.shape[1]:
                 mass = mass.index_select(1, index)
-            scores = mass / (self.group * tokens)  # [layers, B, kv_heads, N]: mean probability per query
+            scale = 1.0 / (self.group * tokens)  # to the mean probability per query: rounds of any gamma alike
+            scores = mass * scale if self.scores is not None else mass  # [layers, B, kv_heads, N]
             self._update(torch.tensor(slots, dtype=torch.long, device=device), scores, ends, committed,
-                         start=False)
+                         start=False, scale=1.0 if self.scores is not None else scale)
 
     # ------------------------------------------------------------------ selection
 
     def _update(self, slots: torch.Tensor, scores: torch.Tensor, ends: list[int], committed: list[int], *,
-                start: bool) -> None:
+                start: bool, scale: float = 1.0) -> None:
         """Smooth, select and store the view of `slots` [B] from scores [layers, B, kv_heads, N], and
         bring the compact store's kept entries up to date (start: a prefill, which is neither smoothed
-        nor refilled here: `prefill_done` fills the store)."""
+        nor refilled here: `prefill_done` fills the store). scale: scores x scale are per-query
+        probabilities (only used to compare selection thresholds across rounds)."""
         device = scores.device
         N = scores.shape[-1]
         if self.scores is not None and not start:
@@ -131,14 +138,29 @@ class Guided(Compressor):
             stale = torch.arange(N, device=device)[None, :] >= torch.tensor(committed, device=device)[:, None]
             scores.masked_fill_(stale[None, :, None, :], 0.0)  # [B, N]: positions to be rewritten
             self.scores[:, slots, :, :N] = scores
-        kept, count, kept_end = select_top(scores, torch.tensor(ends, dtype=torch.long, device=device),
-                                           sink=self.sink, window=self.window, top=self.top)
-        if self.compact is not None and not start:
-            kept = self._refill(slots, kept, count)
-        self.kept[:, slots, :, : kept.shape[-1]] = kept
+        ends_t = torch.tensor(ends, dtype=torch.long, device=device)
+        refill = self.compact is not None and not start
+        kernel = cpu_kernels.load() if device.type == "cpu" else None
+        if kernel is not None:
+            kept_end = (ends_t - self.window).clamp(min=0)
+            count = kept_end.clamp(max=self.sink) + (kept_end - self.sink).clamp(min=0, max=self.top)
+            store = (self.compact.k, self.compact.v, self.cache.k, self.cache.v) if refill else (None,) * 4
+            hint = self.threshold[:, slots]  # [layers, B, kv_heads]: last round's thresholds (a speed-up)
+            self.changed_entries += kernel.guided_select(scores.contiguous(), slots, kept_end,
+                                                         self.kept_count.index_select(0, slots), self.kept,
+                                                         hint, scale, self.sink, self.top, *store)
+            self.threshold[:, slots] = 0.0 if start else hint
+            if refill:
+                self._mark_kept_entries(slots, count)
+        else:
+            kept, count, kept_end = select_top(scores, ends_t, sink=self.sink, window=self.window, top=self.top)
+            if refill:
+                kept = self._refill(slots, kept, count)
+            self.kept[:, slots, :, : kept.shape[-1]] = kept
         self.kept_count[slots] = count
         self.kept_end[slots] = kept_end
-        self.selected_entries += int(count.sum()) * self.cache.layers * self.cache.kv_heads
+        if not start:
+            self.selected_entries += int(count.sum()) * self.cache.layers * self.cache.kv_heads
 
     def _refill(self, slots: torch.Tensor, kept: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """Arrange the new kept positions so that a position kept before keeps its store entry, copy
@@ -170,9 +192,15 @@ class Guided(Compressor):
             layer, rest = free_g // (B * kv_heads), free_g % (B * kv_heads)
             self.compact.refill(layer, slots[rest // kv_heads], rest % kv_heads, free_i, arranged[free_g, free_i])
         self.changed_entries += int(free_g.numel())
-        for b, slot in enumerate(slots.tolist()):
-            self.compact.entry_pos[slot, : int(count[b])] = 0  # kept entries precede every query
+        self._mark_kept_entries(slots, count)
         return arranged.view(layers, B, kv_heads, K)
+
+    def _mark_kept_entries(self, slots: torch.Tensor, count: torch.Tensor) -> None:
+        """The store's first count[b] entries of each slot are kept positions (recorded as 0: they
+        precede every query)."""
+        shown = torch.arange(self.keep, device=slots.device)[None, :] < count[:, None]  # [B, keep]
+        entries = self.compact.entry_pos.index_select(0, slots)[:, : self.keep]
+        self.compact.entry_pos[slots, : self.keep] = torch.where(shown, torch.zeros_like(entries), entries)
 
     def view(self, slots: list[int], ends: list[int]) -> FixedKeptView:
         device = self.cache.device

@@ -1,0 +1,149 @@
+// The guided draft view's selection after a round, one task per (layer, row, KV head), in one pass.
+//
+// Row b keeps [0, min(sink, kept_end[b])) and the `top` positions of [sink, kept_end[b]) with the
+// highest score (all of them when there are no more than `top`): a partial selection of the
+// top-th score (std::nth_element on a copy of the scores), then one scan taking every score above
+// it and the lowest positions among those equal to it, instead of a sort. The kept list of the row's slot
+// is rewritten in place. With a compact store (the lean draft's bf16 copy of the view), a position
+// that was kept before keeps its entry; each newly kept position takes a freed entry (lowest first)
+// and its K/V are copied there from the float32 cache, so only changed entries are written. The
+// rule and its torch twin are `engine/spec/compressors/guided.py`; this file only computes them.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+// scores: [layers, B, kv_heads, N] float32 contiguous; slots, kept_end, old_count: [B] int64;
+// kept: [layers, slots, kv_heads, K] int64 contiguous, K >= sink + top, updated in place (entries
+// [0, count) of each task; count = min(sink, kept_end) + min(top, kept_end - sink)); old_count: the
+// entries that held positions before (only read with a store). kept_end[b] <= N. hint: [layers, B,
+// kv_heads] float32, the previous round's threshold per task times hint_scale (<= 0: none; the
+// scale makes rounds of different scores' scales comparable), updated in place (a speed-up only: the
+// result does not depend on it).
+// k_store, v_store: [layers, slots, kv_heads, S, D] bfloat16 and k_cache, v_cache [layers, slots,
+// kv_heads, capacity, D] float32, all given or none. Returns the number of store entries rewritten.
+int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor kept_end, torch::Tensor old_count,
+                      torch::Tensor kept, torch::Tensor hint, double hint_scale, int64_t sink, int64_t top,
+                      c10::optional<torch::Tensor> k_store,
+                      c10::optional<torch::Tensor> v_store, c10::optional<torch::Tensor> k_cache,
+                      c10::optional<torch::Tensor> v_cache) {
+  TORCH_CHECK(scores.dtype() == torch::kFloat32 && scores.is_contiguous() && scores.dim() == 4, "scores [L, B, H, N] float32");
+  TORCH_CHECK(kept.dtype() == torch::kInt64 && kept.is_contiguous() && kept.dim() == 4, "kept [L, slots, H, K] int64");
+  for (const auto& t : {slots, kept_end, old_count})
+    TORCH_CHECK(t.dtype() == torch::kInt64 && t.is_contiguous() && t.numel() == scores.size(1), "[B] int64");
+  const bool with_store = k_store.has_value();
+  TORCH_CHECK(with_store == v_store.has_value() && with_store == k_cache.has_value() && with_store == v_cache.has_value(),
+              "a store comes with its cache");
+  const int64_t layers = scores.size(0), B = scores.size(1), KVH = scores.size(2), N = scores.size(3);
+  const int64_t n_slots = kept.size(1), K = kept.size(3);
+  TORCH_CHECK(kept.size(0) == layers && kept.size(2) == KVH && K >= sink + top, "kept shape");
+  const float* sp = scores.data_ptr<float>();
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  const int64_t* end_p = kept_end.data_ptr<int64_t>();
+  const int64_t* old_p = old_count.data_ptr<int64_t>();
+  int64_t* kp = kept.data_ptr<int64_t>();
+  TORCH_CHECK(hint.dtype() == torch::kFloat32 && hint.is_contiguous() && hint.numel() == layers * B * KVH,
+              "hint [L, B, H] float32");
+  float* hp = hint.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(end_p[b] <= N && slot_p[b] >= 0 && slot_p[b] < n_slots, "kept_end within the scores, slots in range");
+  int64_t S = 0, capacity = 0, D = 0;
+  at::BFloat16 *ks = nullptr, *vs = nullptr;
+  const float *kc = nullptr, *vc = nullptr;
+  if (with_store) {
+    TORCH_CHECK(k_store->dtype() == torch::kBFloat16 && v_store->dtype() == torch::kBFloat16, "bfloat16 store");
+    TORCH_CHECK(k_cache->dtype() == torch::kFloat32 && v_cache->dtype() == torch::kFloat32, "float32 cache");
+    TORCH_CHECK(k_store->is_contiguous() && v_store->is_contiguous() && k_cache->is_contiguous() && v_cache->is_contiguous(),
+                "contiguous store and cache");
+    S = k_store->size(3), D = k_store->size(4), capacity = k_cache->size(3);
+    TORCH_CHECK(k_store->dim() == 5 && k_store->size(0) == layers && k_store->size(1) == n_slots &&
+                k_store->size(2) == KVH && S >= K && v_store->sizes() == k_store->sizes(), "store shape");
+    TORCH_CHECK(k_cache->dim() == 5 && k_cache->size(0) == layers && k_cache->size(1) == n_slots &&
+                k_cache->size(2) == KVH && k_cache->size(4) == D && v_cache->sizes() == k_cache->sizes(),
+                "cache shape");
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(end_p[b] <= capacity, "kept_end within the cache");
+    ks = k_store->data_ptr<at::BFloat16>(), vs = v_store->data_ptr<at::BFloat16>();
+    kc = k_cache->data_ptr<float>(), vc = v_cache->data_ptr<float>();
+  }
+  std::atomic<int64_t> changed{0};
+  at::parallel_for(0, layers * B * KVH, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<int64_t> chosen(sink + top);
+    std::vector<float> values;
+    std::vector<uint8_t> mark(with_store ? N : 0, 0), stays;
+    int64_t local = 0;
+    for (int64_t task = begin; task < stop; ++task) {
+      const int64_t l = task / (B * KVH), b = (task / KVH) % B, h = task % KVH;
+      const float* s = sp + task * N;
+      const int64_t end = end_p[b];
+      const int64_t sinks = std::min(sink, std::max<int64_t>(end, 0));
+      const int64_t candidates = std::max<int64_t>(end - sink, 0);
+      const int64_t take = std::min(candidates, top);
+      const int64_t count = sinks + take;
+      for (int64_t i = 0; i < sinks; ++i) chosen[i] = i;
+      if (candidates <= top) {
+        for (int64_t i = 0; i < take; ++i) chosen[sinks + i] = sink + i;
+      } else {
+        // The top-th largest score, then one scan: every score above it and, lowest positions
+        // first, as many equal to it as there is room for.
+        // Scores move little between rounds: with half the previous round's threshold as a pivot,
+        // the selection runs over the few scores above it (exact whenever at least `top` are).
+        const float pivot = hp[task] * 0.5f / static_cast<float>(hint_scale);
+        values.clear();
+        if (pivot > 0.0f)
+          for (int64_t p = sink; p < end; ++p)
+            if (s[p] >= pivot) values.push_back(s[p]);
+        if (static_cast<int64_t>(values.size()) < top) values.assign(s + sink, s + end);
+        std::nth_element(values.begin(), values.begin() + (top - 1), values.end(), std::greater<float>());
+        const float threshold = values[top - 1];
+        hp[task] = threshold * static_cast<float>(hint_scale);
+        int64_t above = 0;
+        for (int64_t p = sink; p < end; ++p) above += s[p] > threshold;
+        int64_t ties = top - above, n = sinks;
+        for (int64_t p = sink; p < end; ++p) {
+          if (s[p] > threshold || (s[p] == threshold && ties-- > 0)) chosen[n++] = p;
+        }
+      }
+      const int64_t plane = (l * n_slots + slot_p[b]) * KVH + h;  // (layer, slot, head)
+      int64_t* kept_row = kp + plane * K;
+      if (!with_store) {
+        std::copy(chosen.begin(), chosen.begin() + count, kept_row);
+        continue;
+      }
+      // Positions kept before keep their entry; the others take the freed entries, lowest first.
+      for (int64_t i = 0; i < count; ++i) mark[chosen[i]] = 1;
+      stays.assign(count, 0);
+      const int64_t old = std::min(old_p[b], count);
+      for (int64_t i = 0; i < old; ++i) {
+        const int64_t p = kept_row[i];
+        if (p >= 0 && p < N && mark[p]) {
+          stays[i] = 1;
+          mark[p] = 0;
+        }
+      }
+      int64_t next = 0;  // the next chosen position not held yet (marks left set)
+      for (int64_t i = 0; i < count; ++i) {
+        if (stays[i]) continue;
+        while (!mark[chosen[next]]) ++next;
+        const int64_t p = chosen[next++];
+        mark[p] = 0;
+        kept_row[i] = p;
+        const float* k_src = kc + (plane * capacity + p) * D;
+        const float* v_src = vc + (plane * capacity + p) * D;
+        at::BFloat16* k_dst = ks + (plane * S + i) * D;
+        at::BFloat16* v_dst = vs + (plane * S + i) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          k_dst[d] = at::BFloat16(k_src[d]);  // round to nearest even, as torch's .to(bfloat16)
+          v_dst[d] = at::BFloat16(v_src[d]);
+        }
+        ++local;
+      }
+    }
+    changed += local;
+  });
+  return changed.load();
+}
