@@ -59,7 +59,7 @@ def main() -> None:
     loaded = load_model("smollm2-135m-instruct", attn_implementation=attention.ATTN_NAME, dtype=args.dtype,
                         device="cpu")
     n = args.at + args.chunk
-    prompt = bench_prompts(loaded.tokenizer, 1, n)[0]
+    prompt = bench_prompts(loaded.tokenizer, 1, n)[0][0]
     runner = ModelRunner(loaded, slots=1, capacity=n + 16)
     ids = torch.tensor(prompt)
     for start in range(0, args.at, args.chunk):  # the cached part

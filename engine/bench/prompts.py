@@ -34,25 +34,35 @@ def long_texts(count: int = LONG_COUNT) -> list[str]:
     return texts
 
 
-def bench_prompts(tokenizer, count: int, length: int, *, path: str | None = None, vocab: int = 0) -> list[list[int]]:
-    """`count` prompts of exactly `length` tokens.
+def bench_prompts(tokenizer, count: int, length: int, *, path: str | None = None,
+                  vocab: int = 0) -> tuple[list[list[int]], bool]:
+    """`count` prompts of exactly `length` tokens, and whether they are tails (see below).
 
     With a tokenizer: windows at different offsets of the concatenated texts (`path`'s `prompt`
-    column, or `long_texts()`), so rows differ. Without one: one random prefix shared by every row,
-    each row's last token its own (timing only: random weights accept nothing meaningful, and a
-    shared prefix is prefilled once).
+    column, or `long_texts()`), so rows differ. If every row of `path` says `"tail": true` (the
+    needle set: a question at the end of each prompt), row i is instead text i's (cycled) last
+    `length` tokens, and a shorter context keeps each prompt's end (returned True). Without a
+    tokenizer: one random prefix shared by every row, each row's last token its own (timing only:
+    random weights accept nothing meaningful, and a shared prefix is prefilled once).
     """
     if tokenizer is None:
         g = torch.Generator().manual_seed(0)
         prefix = torch.randint(3, vocab, (length - 1,), generator=g).tolist()
-        return [prefix + [3 + i % (vocab - 3)] for i in range(count)]
+        return [prefix + [3 + i % (vocab - 3)] for i in range(count)], False
     if path is not None:
-        texts = [json.loads(line)["prompt"] for line in Path(path).read_text(encoding="utf-8").splitlines()
-                 if line.strip()]
+        rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        texts = [row["prompt"] for row in rows]
+        if rows and all(row.get("tail") is True for row in rows):
+            ids = [tokenizer(text)["input_ids"] for text in texts]
+            short = [i for i, row in enumerate(ids) if len(row) < length]
+            if short:
+                raise JobError(f"bench prompts: {path} row {short[0] + 1} has {len(ids[short[0]])} tokens, "
+                               f"{length} needed for --context {length}")
+            return [ids[i % len(ids)][-length:] for i in range(count)], True
     else:
         texts = long_texts()
     stream = [t for text in texts for t in tokenizer(text)["input_ids"]]
     if len(stream) < length:
         raise JobError(f"bench prompts: {len(stream)} tokens of text, {length} needed for --context {length}")
     step = max(1, (len(stream) - length) // max(1, count - 1))
-    return [stream[i * step: i * step + length] for i in range(count)]
+    return [stream[i * step: i * step + length] for i in range(count)], False

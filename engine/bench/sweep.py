@@ -110,8 +110,9 @@ class Bench:
                                  layers=spec.layers)
         self.device = self.loaded.device
         self.max_batch, self.max_context = max(spec.batches), max(spec.contexts)
-        self.prompts = bench_prompts(self.loaded.tokenizer, self.max_batch, self.max_context, path=spec.prompts,
-                                     vocab=self.loaded.config.vocab_size)
+        # [max_batch] prompts of max_context tokens; tails: a shorter context keeps their ends
+        self.prompts, self.tails = bench_prompts(self.loaded.tokenizer, self.max_batch, self.max_context,
+                                                 path=spec.prompts, vocab=self.loaded.config.vocab_size)
         self.stores: tuple[PrefixStore | None, PrefixStore | None] | None = None  # made by the first engine
         self.rows: list[dict[str, Any]] = []
         self.plain_tokens: dict[tuple[int, int], list[list[int]]] = {}
@@ -163,7 +164,8 @@ class Bench:
         engine = build_engine(recipe, self.loaded, on_round=tally, stores=self.stores)
         holder["engine"] = engine
         self.stores = (engine.decoder.prefill_targets[0].store, None)
-        requests = [Request(i, i, self.prompts[i][:context], self.spec.new_tokens) for i in range(batch)]
+        prompts = [p[-context:] if self.tails else p[:context] for p in self.prompts[:batch]]
+        requests = [Request(i, i, prompts[i], self.spec.new_tokens) for i in range(batch)]
         results = {r.request.index: r for r in engine.run(requests)}
         stats = engine.stats
         tokens = [results[i].token_ids for i in range(batch)]
@@ -192,6 +194,10 @@ class Bench:
             # re-selection after verification), prefill excluded
             "select_ms_per_round": 1e3 * stats.round_select_s / stats.rounds if stats.rounds else 0.0,
         }
+        compressor = decoder.compressor
+        if getattr(compressor, "selected_entries", 0) and compressor.compact is not None:
+            # the guided view with a compact store: the share of re-selected kept entries copied anew
+            row["view_changed_share"] = compressor.changed_entries / compressor.selected_entries
         key = (batch, context)
         if method == "none":
             self.plain_tokens[key] = tokens
