@@ -11,6 +11,8 @@ Nothing third-party is stored in the repository: these files are generated (dete
 - long.jsonl     `prompt`                   16 long source excerpts (~3-4K tokens) for benchmarks
 - docqa_shared.jsonl `document`, `question` 8 documents of ~2.5K tokens, 7 questions each, shuffled
                                             (rows sharing their long part: see shared_docs.py)
+- needle.jsonl   `prompt`, `answer`, `depth` 16 documents of ~3.5K tokens of docstrings, a passphrase
+                                            planted at 10%-90% depth, the question at the end (needle.py)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from engine.bench.prompts import LONG_MODULES as MODULES  # the same sources `magicdec bench` reads
 from engine.bench.prompts import STDLIB, long_texts
+from needle import needle_rows
 from shared_docs import shared_docqa_rows
 
 
@@ -76,8 +79,10 @@ def build(out: Path) -> None:
         code.append({"id": f"c{i}", "code": chunk, "instruction": task})
     long = [{"id": f"l{i}", "prompt": text} for i, text in enumerate(long_texts())]
     shared = shared_docqa_rows(mods)
+    needle = needle_rows([document(name, src) for name, src in mods])
     for file, rows in [("generic.jsonl", generic), ("docqa.jsonl", docqa), ("rag.jsonl", rag),
-                       ("code.jsonl", code), ("long.jsonl", long), ("docqa_shared.jsonl", shared)]:
+                       ("code.jsonl", code), ("long.jsonl", long), ("docqa_shared.jsonl", shared),
+                       ("needle.jsonl", needle)]:
         (out / file).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     try:
         import pyarrow as pa
