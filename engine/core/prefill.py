@@ -12,7 +12,7 @@ the slot's prompt is cached. This module knows nothing of speculation or schedul
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -52,8 +52,11 @@ class QueryWindow:
 
 
 def prefill_row(runner: ModelRunner, slot: int, prompt_ids: list[int], chunk: int,
-                listener: SlotListener | None = None, store: PrefixStore | None = None) -> tuple[torch.Tensor, int]:
+                listener: SlotListener | None = None, store: PrefixStore | None = None, *,
+                on_chunk: Callable[[], None] | None = None) -> tuple[torch.Tensor, int]:
     """Cache one row's prompt in `slot` (chunked), reusing a stored prefix; tell the listener.
+
+    on_chunk: called before each chunk's forward (an observer's chance to look at the clock).
 
     Returns the last position's logits [1, vocab] and how many prompt tokens were reused, not computed.
     """
@@ -75,6 +78,8 @@ def prefill_row(runner: ModelRunner, slot: int, prompt_ids: list[int], chunk: in
     tokens = torch.tensor(prompt_ids, dtype=torch.long, device=runner.device)  # [n]
     logits = None
     for start in range(reused, n, chunk):
+        if on_chunk is not None:
+            on_chunk()
         piece = tokens[start: start + chunk]
         batch = ForwardBatch(runner.cache, [slot], [start], len(piece), observer=observer)
         logits = runner.forward(piece[None], batch, last_only=True)[:, -1]
