@@ -21,6 +21,11 @@ LINEAR_DTYPES = ("auto", "same", "bfloat16", "float16", "float32", "int8")  # dr
 POOLINGS = ("avgpool", "maxpool")  # draft.pooling
 TRUNCATIONS = ("error", "left")  # prompt.truncate
 
+# The draft keys each method reads (`magicdec recipes NAME` shows only these; --all shows every key).
+DRAFT_SHARED_KEYS = ("method", "model", "budget", "linear_dtype")  # every method but none
+DRAFT_METHOD_KEYS = {"none": (), "streamingllm": ("sink",), "snapkv": ("window", "kernel_size", "pooling"),
+                     "pqcache": ("sink", "window", "subspaces", "bits", "kmeans_iters", "kmeans_sample")}
+
 
 @dataclass(frozen=True)
 class DraftConfig:
