@@ -125,7 +125,8 @@ class JobProgress:
             self.bar.start()
             self.task = self.bar.add_task("rows", total=total, completed=done, stats="")
         else:
-            self.out.err.print(f"started: {self._total_text()} rows" + (f", {done} already done" if done else ""))
+            self.out.err.print(f"started: {self._total_text()} rows" + (f", {done} already done" if done else ""),
+                               soft_wrap=True)
 
     def _total_text(self) -> str:
         if self.total is None:
@@ -151,7 +152,7 @@ class JobProgress:
             self.bar.update(self.task, completed=done, stats=self._stats_text(report, stats))
         elif self.clock() - self.last_log >= LOG_EVERY_S:
             self.last_log = self.clock()
-            self.out.err.print(self.log_line(done, stats))
+            self.out.err.print(self.log_line(done, stats), soft_wrap=True)  # one line, whatever the width
 
     def log_line(self, done: int, stats) -> str:
         """`progress: 25/100 rows (25%), 31.5 decode tok/s, acceptance 0.84, elapsed 1m00s, ETA 3m00s`."""

@@ -82,7 +82,7 @@ class Clock:
 
 def plain_progress():
     out = Out()
-    out.err = Console(file=io.StringIO(), width=200)  # not a terminal: plain lines
+    out.err = Console(file=io.StringIO(), width=40)  # not a terminal: plain lines, never wrapped
     clock = Clock()
     return JobProgress(out, clock=clock), out.err.file, clock
 
@@ -140,3 +140,44 @@ def test_engine_steps_become_named_stderr_lines_and_quiet_drops_them(capsys):
             assert lines[2] == "magicdec: warning: fell back to torch"
     assert capsys.readouterr().out == "", "nothing on stdout"
     assert len([h for h in logging.getLogger("engine").handlers]) == 1, "one console at a time"
+
+
+@pytest.mark.real_model
+def test_progress_hears_from_the_job_between_rows_not_only_when_one_finishes(tmp_path, monkeypatch):
+    """A long prefill or a batch that finishes all at once still moves the bar and the cron lines:
+    each timeline point taken while rows run is also a progress update (here a point at every call,
+    so the count is exact whatever this machine's speed)."""
+    from engine.job import timeline
+    from engine.job.run import JobOptions, run_job
+
+    monkeypatch.setattr(timeline, "CLOCK_S", 0.0)
+    monkeypatch.setattr(timeline, "MIN_GAP_S", 0.0)
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def start(self, total, done, *, estimated=False):
+            self.calls.append(("start", total, done, estimated))
+
+        def update(self, report, stats):
+            self.calls.append(("update", report.rows_done))
+
+        def finish(self):
+            self.calls.append(("finish",))
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "prompt": f"Count from {i} to {i + 20}:"}) + "\n" for i in range(2)))
+    recorder = Recorder()
+    overrides = ("batch.size=2", "batch.max_len=256", "sampling.max_new_tokens=8", "draft.budget=32",
+                 "draft.window=8")
+    run_job(JobOptions(recipe="generic", input=str(data), output=str(tmp_path / "out.jsonl"), overrides=overrides),
+            recorder)
+    assert recorder.calls[0] == ("start", 2, 0, False), "a counted JSONL input: an exact total"
+    assert recorder.calls[-1] == ("finish",)
+    updates = [c for c in recorder.calls if c[0] == "update"]
+    report = json.loads((tmp_path / "out.jsonl.report.json").read_text())
+    while_running = len(report["timeline"]) - 3  # all but the load start, the load end and the end
+    assert while_running >= 2 + report["speculative"]["rounds"], "a point before every chunk and round"
+    assert len(updates) == while_running + 2, "one per point taken while rows ran, and one per finished row"
+    assert [c[1] for c in updates] == sorted(c[1] for c in updates) and updates[0][1] == 0

@@ -136,7 +136,7 @@ def plot_series(report: dict[str, Any]) -> dict[str, Any] | None:
     """What the plot draws, from the report's timeline alone (None if it has no interval): step
     series over the interval edges (each value holds from its interval's start to the next edge,
     the last one repeated for the final edge), NaN wherever an interval had nothing to measure."""
-    from engine.job.timeline import intervals
+    from engine.job.timeline import LOAD, intervals
 
     points = report.get("timeline") or []
     spans = intervals(points)
@@ -150,7 +150,7 @@ def plot_series(report: dict[str, Any]) -> dict[str, Any] | None:
 
     edges = [s["start"] for s in spans] + [spans[-1]["end"]]
     end = (report.get("time") or {}).get("total_s") or edges[-1]
-    loaded = next((p["t"] for p in points if p.get("phase") not in ("load", None)), points[0]["t"])
+    loaded = next((p["t"] for p in points if p.get("phase") not in (LOAD, None)), points[0]["t"])
     return {"edges": edges, "decode_tokens_per_s": steps("decode_tokens_per_s"), "acceptance": steps("acceptance"),
             "gamma": steps("gamma"), "prefill_share": steps("prefill_share"), "decode_share": steps("decode_share"),
             "rows_t": [p["t"] for p in points], "rows": [p["rows"] for p in points], "spans": spans,

@@ -161,7 +161,12 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
                        load_s=loaded - t0, load_started=t0, process_started=options.process_started or t0,
                        timeline=timeline.points)
     timeline.mark(OTHER, engine.stats, 0, force=True)
-    engine.on_phase = lambda phase: timeline.mark(phase, engine.stats, report.rows_done)
+
+    def on_phase(phase: str) -> None:  # between two pieces of work: the timeline, and progress when no row finishes
+        if timeline.mark(phase, engine.stats, report.rows_done):
+            progress.update(report, engine.stats)
+
+    engine.on_phase = on_phase
     decoder = engine.decoder
     if decoder.draft_forward is not None:
         report.draft_gemms = decoder.draft_forward.gemm_dtype

@@ -41,21 +41,23 @@ def process_started() -> float:
 
 
 class Timeline:
-    def __init__(self, origin: float, *, clock_s: float = CLOCK_S, min_gap_s: float = MIN_GAP_S,
-                 max_points: int = MAX_POINTS, now: Callable[[], float] = time.time):
-        """origin: time.time() of t = 0 (the process start); now: the clock (a test may pass its own)."""
+    def __init__(self, origin: float, *, clock_s: float | None = None, min_gap_s: float | None = None,
+                 max_points: int | None = None, now: Callable[[], float] = time.time):
+        """origin: time.time() of t = 0 (the process start); now: the clock (a test may pass its own);
+        clock_s, min_gap_s, max_points: None for CLOCK_S, MIN_GAP_S, MAX_POINTS."""
         self.origin = origin
-        self.clock_s = clock_s
-        self.min_gap_s = min_gap_s
-        self.max_points = max_points
+        self.clock_s = CLOCK_S if clock_s is None else clock_s
+        self.min_gap_s = MIN_GAP_S if min_gap_s is None else min_gap_s
+        self.max_points = MAX_POINTS if max_points is None else max_points
         self.now = now
         self.points: list[dict[str, Any]] = []
         self.phase: str | None = None
 
-    def mark(self, phase: str, stats, rows: int, *, force: bool = False) -> None:
+    def mark(self, phase: str, stats, rows: int, *, force: bool = False) -> bool:
         """`phase` is about to run (or, for END, everything has): record a point if it is due.
 
         stats: the engine's EngineStats (None before the engine exists: all counters 0).
+        Returns whether a point was recorded.
         """
         t = self.now() - self.origin
         since = t - self.points[-1]["t"] if self.points else float("inf")
@@ -65,6 +67,8 @@ class Timeline:
             self.points.append(point(t, phase, stats, rows))
             if len(self.points) > self.max_points:
                 self._thin()
+            return True
+        return False
 
     def _thin(self) -> None:
         """Keep every other point (and the newest) and sample half as often from now on."""
