@@ -135,6 +135,11 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     progress = progress or NoProgress()
     recipe, reader, output_path, report_path = prepare(options)
     manifest = output_manifest(recipe, options.input)
+    # From here the model: its memory check reads the config (converting a GGUF once on a first run),
+    # then it loads (compiling the CPU kernels once). The time line calls all of it `load`.
+    t0 = time.time()
+    timeline = Timeline(options.process_started or t0)
+    timeline.mark(LOAD, None, 0, force=True)
     check_memory(recipe, tp=options.tp)
 
     def open_writer() -> OutputWriter:
@@ -143,9 +148,6 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     # An existing output is refused (or checked for --resume) before the model loads; --overwrite
     # deletes the old output only once the model has loaded, so a failed load costs nothing.
     writer = None if options.mode == "overwrite" else open_writer()
-    t0 = time.time()
-    timeline = Timeline(options.process_started or t0)
-    timeline.mark(LOAD, None, 0, force=True)
     try:
         engine = load_engine(recipe, parallel)
         target = engine.target_model
