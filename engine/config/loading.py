@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from engine.config.schema import (DEVICES, DRAFT_METHODS, DTYPES, LINEAR_DTYPES, OUTPUT_ORDERS, POOLINGS,
-                                  ROW_FORMATS, TRUNCATIONS, Recipe)
+from engine.config.schema import (DEVICES, DRAFT_METHOD_KEYS, DRAFT_METHODS, DRAFT_SHARED_KEYS, DTYPES,
+                                  LINEAR_DTYPES, OUTPUT_ORDERS, POOLINGS, ROW_FORMATS, TRUNCATIONS, Recipe)
 from engine.errors import JobError
 
 def shipped_recipes():
@@ -72,6 +72,39 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Rec
     for item in overrides:
         apply_override(raw, item)
     return recipe_from_dict(raw, source=str(path))
+
+
+def recipe_view(recipe: Recipe, *, all_keys: bool = False) -> dict[str, Any]:
+    """The recipe as a dict; unless all_keys, without the draft keys its method does not read (and
+    without `spec` for plain decoding). A method this module does not list keeps every key."""
+    data = recipe.to_dict()
+    method = recipe.draft.method
+    if all_keys or method not in DRAFT_METHOD_KEYS:
+        return data
+    used = ("method",) if method == "none" else DRAFT_SHARED_KEYS + DRAFT_METHOD_KEYS[method]
+    data["draft"] = {k: v for k, v in data["draft"].items() if k in used}
+    if method == "none":
+        data.pop("spec", None)
+    return data
+
+
+class _RecipeDumper(yaml.SafeDumper):
+    """YAML as people write recipes: multi-line strings (templates) as `|` block scalars."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str):
+    if "\n" in value:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
+    return dumper.represent_str(value)
+
+
+_RecipeDumper.add_representer(str, _represent_str)
+
+
+def recipe_yaml(recipe: Recipe, *, all_keys: bool = False) -> str:
+    """The resolved recipe as YAML that loads back into the same recipe (`recipe_view` decides the keys)."""
+    return yaml.dump(recipe_view(recipe, all_keys=all_keys), Dumper=_RecipeDumper, sort_keys=False,
+                     allow_unicode=True, width=100)
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

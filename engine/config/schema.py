@@ -23,6 +23,11 @@ TRUNCATIONS = ("error", "left")  # prompt.truncate
 ROW_FORMATS = ("auto", "magicdec", "openai")  # output.format (auto: openai for an OpenAI batch input)
 OUTPUT_ORDERS = ("input", "finish")  # output.order
 
+# The draft keys each method reads (`magicdec recipes NAME` shows only these; --all shows every key).
+DRAFT_SHARED_KEYS = ("method", "model", "budget", "linear_dtype")  # every method but none
+DRAFT_METHOD_KEYS = {"none": (), "streamingllm": ("sink",), "snapkv": ("window", "kernel_size", "pooling"),
+                     "pqcache": ("sink", "window", "subspaces", "bits", "kmeans_iters", "kmeans_sample")}
+
 
 @dataclass(frozen=True)
 class DraftConfig:

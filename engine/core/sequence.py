@@ -24,6 +24,7 @@ class Request:
     max_new_tokens: int
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # columns the job keeps
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # the job's own data, carried untouched
+    enqueued_at: float | None = None  # time.perf_counter() when the job read it (None: not tracked)
 
 
 @dataclasses.dataclass
@@ -35,6 +36,7 @@ class Result:
     error: str | None = None
     latency_s: float = 0.0  # admission to finish
     first_token_s: float = 0.0  # admission to first token
+    queue_s: float = 0.0  # read from the input (Request.enqueued_at) to admission into a slot
 
     @property
     def prompt_tokens(self) -> int:
@@ -115,8 +117,10 @@ class Sequence:
                 text = text[: self.stop_text_end]
         now = time.perf_counter()
         first = (self.first_token_at or now) - self.admitted_at
+        enqueued = self.request.enqueued_at
         return Result(self.request, list(self.generated), text, self.finish_reason or "length",
-                      latency_s=now - self.admitted_at, first_token_s=first)
+                      latency_s=now - self.admitted_at, first_token_s=first,
+                      queue_s=self.admitted_at - enqueued if enqueued is not None else 0.0)
 
 
 def error_result(request: Request, message: str) -> Result:
