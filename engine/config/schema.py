@@ -20,6 +20,8 @@ DEVICES = ("auto", "cpu", "cuda")  # device (also cuda:N)
 LINEAR_DTYPES = ("auto", "same", "bfloat16", "float16", "float32", "int8")  # draft.linear_dtype
 POOLINGS = ("avgpool", "maxpool")  # draft.pooling
 TRUNCATIONS = ("error", "left")  # prompt.truncate
+# The sampling keys a row may set for itself (OpenAI batch body fields, or `input.sampling_columns`).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
+    """The recipe's sampling, and (with a row's own values put in) one row's: see engine.job.row_sampling."""
+
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -68,6 +72,11 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def warping(self) -> tuple[float, float, int] | None:
+        """What turns logits into a distribution (None: greedy); rows with equal warping sample together."""
+        return None if self.greedy else (self.temperature, self.top_p, self.top_k)
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,9 @@ class PromptConfig:
 @dataclass(frozen=True)
 class InputConfig:
     id_field: str = "id"  # rows without it get their 0-based row number as id
+    # sampling key (SAMPLING_KEYS) -> the column holding a row's own value; a null or absent value
+    # falls back to the recipe's sampling (e.g. {temperature: temp, stop: stops})
+    sampling_columns: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
