@@ -82,13 +82,15 @@ class BatchSampling:
 
     def __init__(self, params: Sequence[SamplingConfig], generators: Sequence[torch.Generator | None],
                  device: torch.device):
-        warpings = [p.warping for p in params]
         self.size = len(params)
         self.greedy_rows: torch.Tensor | None = None
         self.groups: list[SampledGroup] = []
-        if all(w == warpings[0] for w in warpings):
-            if warpings[0] is not None:
-                self.groups.append(SampledGroup(None, params[0], list(generators)))
+        first = params[0]
+        # Rows without values of their own share the recipe's object: the common case, checked cheaply.
+        warpings = None if all(p is first for p in params) else [p.warping for p in params]
+        if warpings is None or all(w == warpings[0] for w in warpings):
+            if not first.greedy:
+                self.groups.append(SampledGroup(None, first, list(generators)))
             return
         by_warping: dict[tuple, list[int]] = {}
         greedy = []
