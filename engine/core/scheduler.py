@@ -26,7 +26,7 @@ from engine.config.schema import Recipe, slot_capacity
 from engine.core.prefill import RowPrefill, SlotListener, prefill_rows, shares_a_prefix
 from engine.core.prefix_store import PrefixStore
 from engine.core.runner import ModelRunner
-from engine.core.sampling import row_generator
+from engine.core.sampling import ROW_SEED_ONLY, row_generator
 from engine.core.sequence import Request, Result, Sequence, error_result
 from engine.core.stats import EngineStats
 from engine.models.loading import LoadedModel
@@ -139,13 +139,16 @@ class Scheduler:
 
     def admit(self, requests: list[Request]) -> list[Sequence]:
         """Prefill a wave of requests into free slots (packed), emit their first tokens; returns their rows."""
-        sampling = self.recipe.sampling
         seqs = []
         for request in requests:
             slot = self.free_slots.pop(0)
-            generator = None if sampling.greedy else row_generator(sampling.seed, request.id, self.target.device)
+            sampling = request.sampling or self.recipe.sampling
+            generator = None
+            if not sampling.greedy:  # a row's samples depend on its seed (and id), never on its slot or batch
+                generator = row_generator(sampling.seed, ROW_SEED_ONLY if request.own_seed else request.id,
+                                          self.target.device)
             seqs.append(Sequence(request, slot, max_len=self.max_len, eos_ids=self.target_model.eos_token_ids,
-                                 stop_strings=sampling.stop, tokenizer=self.target_model.tokenizer,
+                                 sampling=sampling, tokenizer=self.target_model.tokenizer,
                                  generator=generator))
         clock = [time.perf_counter()]
 
