@@ -150,7 +150,12 @@ def test_json_summary_has_the_contract_keys_and_bad_rows_become_error_records(tm
         assert ok["error"] is None and isinstance(ok["text"], str) and ok["output_tokens"] > 0 and ok["prompt_tokens"] > 0
     report = json.loads((tmp_path / "out.jsonl.report.json").read_text())
     assert report["job"]["rows_ok"] == 5
-    assert (tmp_path / "out.jsonl.report.md").exists()
+    # The report names what served the job, so no slow fallback goes unseen.
+    hardware = report["hardware"]
+    assert hardware["dtype"] == "float32"
+    if os.environ.get(kernels.REQUIRE_ENV) == "1":  # the kernel is required wherever a compiler exists
+        assert all(path.startswith("fused CPU") for path in hardware["attention"].values()), hardware
+    assert "| compute | float32 GEMMs and KV cache; attention: decode " in (tmp_path / "out.jsonl.report.md").read_text()
 
 
 def assert_points_spread(report, rows, prefill_chunk=512):

@@ -35,6 +35,8 @@ class JobReport:
     tp: int = 1
     dp: int = 1
     draft_gemms: str = "-"  # dtype of the draft's linear layers ("-" without a draft)
+    dtype: str = "-"  # the target's weights, activations and KV cache (its GEMMs run in it)
+    attention: dict[str, str] = dataclasses.field(default_factory=dict)  # engine.core.attention.attention_paths
     started: float = dataclasses.field(default_factory=time.time)  # time.time() once the model has loaded
     load_s: float = 0.0
     load_started: float | None = None  # time.time() when loading began (None: started - load_s)
@@ -95,7 +97,8 @@ class JobReport:
                         "queue_s": percentiles(self.queue), "from": "admission"},
             "memory": {"peak_bytes": peak, "peak_kind": peak_kind, "kv_cache_bytes": self.kv_cache_bytes,
                        "kv_cache_touched_bytes": self.kv_touched_bytes},
-            "hardware": hardware_summary(self.device, self.tp, self.dp),
+            "hardware": {**hardware_summary(self.device, self.tp, self.dp), "dtype": self.dtype,
+                         "attention": self.attention},
             "prefix_reuse": self.prefix_reuse,
             "timeline": self.timeline,
             **self.extra,

@@ -69,6 +69,10 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     rows += memory_rows(report["memory"])
     hw = report["hardware"]
     rows.append(("hardware", f"{hw['device']} ({hw.get('name', '')}), {hw['threads']} threads, tp {hw['tp']}, dp {hw.get('dp', 1)}"))
+    if hw.get("attention"):
+        paths = hw["attention"]
+        rows.append(("compute", f"{hw.get('dtype', '-')} GEMMs and KV cache; attention: decode {paths['decode']}, "
+                                f"draft views {paths['draft_view']}, prefill {paths['prefill']}"))
     return rows
 
 
