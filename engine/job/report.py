@@ -51,6 +51,7 @@ class JobReport:
     timeline: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # engine.job.timeline points
     kv_cache_bytes: int = 0  # allocated, target + separate draft + compact store
     kv_touched_bytes: int = 0  # of it, what rows used (engine.core.kv_cache.KVCache.touched_bytes)
+    memory_check_bytes: int = 0  # what the memory check counted before loading (KV cache, stores, weights)
     prefix_reuse: dict[str, Any] = dataclasses.field(default_factory=lambda: {"enabled": False})  # prefix_summary()
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -96,7 +97,7 @@ class JobReport:
             "latency": {"row_s": percentiles(self.latencies), "first_token_s": percentiles(self.first_token),
                         "queue_s": percentiles(self.queue), "from": "admission"},
             "memory": {"peak_bytes": peak, "peak_kind": peak_kind, "kv_cache_bytes": self.kv_cache_bytes,
-                       "kv_cache_touched_bytes": self.kv_touched_bytes},
+                       "kv_cache_touched_bytes": self.kv_touched_bytes, "check_bytes": self.memory_check_bytes},
             "hardware": {**hardware_summary(self.device, self.tp, self.dp), "dtype": self.dtype,
                          "attention": self.attention},
             "prefix_reuse": self.prefix_reuse,

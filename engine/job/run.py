@@ -94,7 +94,7 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     t0 = time.time()
     timeline = Timeline(options.process_started or t0)
     timeline.mark(LOAD, None, 0, force=True)
-    check_memory(recipe, tp=options.tp)
+    memory_needed = check_memory(recipe, tp=options.tp)
 
     def open_writer() -> OutputWriter:
         return open_output(options, recipe, output_path, reader)
@@ -131,6 +131,7 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     report.rows_resumed = len(writer.done_ids)
     report.resumed_failed = writer.done_errors
     report.kv_cache_bytes = engine.target.cache.nbytes + decoder.cache_bytes
+    report.memory_check_bytes = memory_needed
     if target.tokenizer is None:
         raise JobError(f"model {recipe.model} has no tokenizer (random weights): time it with `magicdec bench`")
     builder = PromptBuilder(recipe.prompt, target.tokenizer, max_prompt_len=engine.max_len)
