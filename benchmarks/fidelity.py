@@ -21,11 +21,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def outputs_of(args) -> list[str]:
+    return args.methods.split(",")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--methods", default="none,streamingllm,snapkv,pqcache")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the model's dtype, for magicdec and for transformers' reference alike")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fidelity.json")
     args = parser.parse_args()
 
@@ -35,7 +41,7 @@ def main() -> None:
     from engine.models.loading import load_model
 
     torch.set_num_threads(2)
-    loaded = load_model("smollm2-135m-instruct", dtype="float32", device="cpu", attn_implementation="magicdec")
+    loaded = load_model("smollm2-135m-instruct", dtype=args.dtype, device="cpu", attn_implementation="magicdec")
     tokenizer = loaded.tokenizer
     texts = [json.loads(line)["prompt"] for line in (ROOT / "sample_data" / "long.jsonl").read_text().splitlines()]
     stream = [t for text in texts for t in tokenizer(text)["input_ids"]]
@@ -51,7 +57,8 @@ def main() -> None:
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    reference = AutoModelForCausalLM.from_pretrained(loaded.model.name_or_path, attn_implementation="sdpa").eval()
+    reference = AutoModelForCausalLM.from_pretrained(loaded.model.name_or_path, attn_implementation="sdpa",
+                                                     dtype=getattr(torch, args.dtype)).eval()
     eos = loaded.eos_token_ids[0]
     expected, t0 = {}, time.time()
     for row in rows:
@@ -63,13 +70,13 @@ def main() -> None:
     hf_s = time.time() - t0
 
     results = {"rows": len(rows), "new_tokens": args.new_tokens, "transformers_s": hf_s, "methods": {},
-               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": "2-core CPU, fp32",
+               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": "2-core CPU", "dtype": args.dtype,
                "prompt_tokens": sorted(len(tokenizer(r["prompt"])["input_ids"]) for r in rows)}
     for method in args.methods.split(","):
         out = work / f"{method}.jsonl"
         command = [sys.executable, "-m", "magicdec_cli.main", "run", "generic", "--input", str(data),
                    "--output", str(out), "--overwrite", "--json", "--set", f"draft.method={method}",
-                   "--set", "batch.size=16", "--set", "batch.max_len=2304",
+                   "--set", "batch.size=16", "--set", "batch.max_len=2304", "--set", f"dtype={args.dtype}",
                    "--set", f"sampling.max_new_tokens={args.new_tokens}"]
         t0 = time.time()
         done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -81,8 +88,12 @@ def main() -> None:
         for row_id, tokens in expected.items():
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             same += produced[row_id]["text"] == text and produced[row_id]["output_tokens"] == len(tokens)
+        if method == "none":
+            plain = produced
+        as_plain = sum(produced[i]["text"] == plain[i]["text"] for i in produced) if "none" in outputs_of(args) else None
         results["methods"][method] = {
             "identical_rows": same, "identical_share": same / len(rows), "wall_s": time.time() - t0,
+            "identical_to_plain_rows": as_plain,
             "acceptance_rate": summary["speculative"]["acceptance_rate"],
             "decode_tokens_per_s": summary["throughput"]["decode_tokens_per_s"]}
         print(method, f"{same}/{len(rows)} identical to transformers", flush=True)

@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import os
 from pathlib import Path
+from typing import Callable
 
 
 def cache_root() -> Path:
@@ -18,10 +19,17 @@ def cache_root() -> Path:
 
 
 @contextlib.contextmanager
-def file_lock(path: Path):
-    """An exclusive advisory lock on `path` (created if missing) for the block's duration."""
+def file_lock(path: Path, *, on_wait: Callable[[], None] | None = None):
+    """An exclusive advisory lock on `path` (created if missing) for the block's duration.
+
+    on_wait: called once if another process holds the lock, before waiting for it (to say why)."""
     with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -20,17 +20,39 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import typer.core
 
 from engine.config.schema import DEFAULT_MODEL
 from engine.errors import JobError, OutputError
+from engine.job.timeline import process_started
 from magicdec_cli.console import Out
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Batch long-context generation with MagicDec speculative decoding.")
 
-RecipeArg = Annotated[str, typer.Argument(help="Recipe YAML path, or a shipped recipe name (docqa, rag, code, generic).")]
-InputOpt = Annotated[Path, typer.Option("--input", "-i", help="Input rows: .parquet, .jsonl or .jsonl.gz.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a recipe key: --set draft.method=snapkv (repeatable).")]
+def _flags_as_flags(params: list) -> list:
+    """On/off options take no value: show none (this Typer writes `<bool>` after every flag)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class Command(typer.core.TyperCommand):
+    def get_params(self, ctx):
+        return _flags_as_flags(super().get_params(ctx))
+
+
+class Group(typer.core.TyperGroup):
+    def get_params(self, ctx):
+        return _flags_as_flags(super().get_params(ctx))
+
+
+app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Batch long-context generation with MagicDec speculative decoding.")
+command = functools.partial(app.command, cls=Command)
+
+RecipeArg = Annotated[str, typer.Argument(metavar="RECIPE", help="Recipe YAML path, or a shipped recipe name (docqa, rag, code, generic).")]
+InputOpt = Annotated[Path, typer.Option("--input", "-i", metavar="PATH", help="Input rows: .parquet, .jsonl or .jsonl.gz.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set draft.method=snapkv (repeatable).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else there.")]
 
@@ -70,20 +92,20 @@ def _set_threads() -> None:
         torch.set_num_threads(int(threads))
 
 
-@app.command()
+@command()
 @guarded
 def run(
     recipe: RecipeArg,
     input: InputOpt,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output .jsonl or .parquet (default: <input stem>.<recipe>.jsonl next to the input).")] = None,
-    report: Annotated[Optional[Path], typer.Option("--report", help="Report JSON (default: <output>.report.json).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="PATH", help="Output .jsonl or .parquet (default: <input stem>.<recipe>.jsonl next to the input).")] = None,
+    report: Annotated[Optional[Path], typer.Option("--report", metavar="PATH", help="Report JSON (default: <output>.report.json).")] = None,
     set_: SetOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an existing output, skipping ids already written.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output.")] = False,
-    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N input rows.")] = None,
-    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel processes (DeepSpeed AutoTP).")] = 1,
-    dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="Data-parallel engine groups, each --tp processes (default 1; under an external launcher: world size / tp).")] = None,
-    output_format: Annotated[Optional[str], typer.Option("--output-format", help="Output rows: magicdec (its own rows) or openai (the OpenAI batch output format; default for an OpenAI batch input). Same as --set output.format=...")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, metavar="N", help="Only the first N input rows.")] = None,
+    tp: Annotated[int, typer.Option("--tp", min=1, metavar="N", help="Tensor-parallel processes (DeepSpeed AutoTP).")] = 1,
+    dp: Annotated[Optional[int], typer.Option("--dp", min=1, metavar="M", help="Data-parallel engine groups, each --tp processes (default 1; under an external launcher: world size / tp).")] = None,
+    output_format: Annotated[Optional[str], typer.Option("--output-format", metavar="FORMAT", help="Output rows: magicdec (its own rows) or openai (the OpenAI batch output format; default for an OpenAI batch input). Same as --set output.format=...")] = None,
     quiet: QuietOpt = False,
     json_: JsonOpt = False,
 ) -> None:
@@ -95,10 +117,11 @@ def run(
     if output_format is not None and output_format not in ("magicdec", "openai"):
         raise JobError(f"--output-format must be magicdec or openai, got {output_format!r}")
     overrides = tuple(set_ or ()) + ((f"output.format={output_format}",) if output_format else ())
-    out = Out(quiet=quiet, json_mode=json_)
+    out = Out(quiet=quiet, json_mode=json_).attach_engine_log()
     options = JobOptions(recipe=recipe, input=str(input), output=str(output) if output else None,
                          report=str(report) if report else None, overrides=overrides,
-                         mode="resume" if resume else "overwrite" if overwrite else "new", limit=limit, tp=tp)
+                         mode="resume" if resume else "overwrite" if overwrite else "new", limit=limit, tp=tp,
+                         process_started=process_started())
     from engine.scale import launch as launching
 
     # SIGTERM (a scheduler, or the launcher stopping the other ranks) stops a job like Ctrl-C does: the
@@ -134,7 +157,7 @@ def run(
     raise typer.Exit(outcome.exit_code)
 
 
-@app.command()
+@command()
 @guarded
 def validate(recipe: RecipeArg, input: InputOpt, set_: SetOpt = None,
              limit: Annotated[Optional[int], typer.Option("--limit", min=1)] = None,
@@ -142,7 +165,7 @@ def validate(recipe: RecipeArg, input: InputOpt, set_: SetOpt = None,
     """Check the recipe and every input row (templates, lengths) without running a model."""
     from engine.job.validate import validate_job
 
-    out = Out(quiet=quiet, json_mode=json_)
+    out = Out(quiet=quiet, json_mode=json_).attach_engine_log()
     result = validate_job(recipe, str(input), tuple(set_ or ()), limit=limit)
     if json_:
         print(json.dumps(result))
@@ -155,24 +178,23 @@ def validate(recipe: RecipeArg, input: InputOpt, set_: SetOpt = None,
     raise typer.Exit(1 if result["rows_bad"] else 0)
 
 
-@app.command()
+@command()
 @guarded
-def recipes(name: Annotated[Optional[str], typer.Argument(help="Show this recipe, fully resolved.")] = None,
-            set_: SetOpt = None) -> None:
-    """List the shipped recipes, or show one with every default filled in."""
-    import yaml
-
-    from engine.config.loading import load_recipe, shipped_recipe, shipped_recipe_names
+def recipes(name: Annotated[Optional[str], typer.Argument(metavar="NAME", help="Show this recipe (a shipped name or a YAML path), fully resolved.")] = None,
+            set_: SetOpt = None,
+            all_: Annotated[bool, typer.Option("--all", help="Show every key, also those the recipe's draft method does not use.")] = False) -> None:
+    """List the shipped recipes, or show one with every default filled in (only the keys its method uses)."""
+    from engine.config.loading import load_recipe, recipe_yaml, shipped_recipe, shipped_recipe_names
 
     if name is None:
         for recipe_name in shipped_recipe_names():
             first = shipped_recipe(recipe_name).read_text(encoding="utf-8").splitlines()[0]
             print(f"{recipe_name:10s} {first.lstrip('# ').strip()}")
         return
-    print(yaml.safe_dump(load_recipe(name, tuple(set_ or ())).to_dict(), sort_keys=False), end="")
+    print(recipe_yaml(load_recipe(name, tuple(set_ or ())), all_keys=all_), end="")
 
 
-@app.command()
+@command()
 @guarded
 def plan(
     recipe: RecipeArg,
@@ -200,7 +222,7 @@ def plan(
               display_rows(result), stdout=True)
 
 
-@app.command()
+@command()
 @guarded
 def bench(
     model: Annotated[str, typer.Option("--model", help="Model to time: a recipe model, or <name>-shape (random weights, e.g. llama-3.1-8b-shape).")] = DEFAULT_MODEL,
@@ -228,13 +250,13 @@ def bench(
                      gammas=parse_list(gamma, flag="gamma", allow_auto=True), new_tokens=new_tokens,
                      prompts=str(prompts) if prompts else None, hf=hf, layers=layers, dtype=dtype, device=device,
                      draft_linear_dtypes=parse_list(draft_linear_dtype, str, flag="draft-linear-dtype"))
-    out_console = Out()
+    out_console = Out().attach_engine_log()
     result = Bench(spec).run(log=out_console.info)
     for path in write_outputs(result, out):
         out_console.info(f"wrote {path}")
 
 
-@app.command()
+@command()
 @guarded
 def report(path: Annotated[Path, typer.Argument(help="A report JSON written by `magicdec run`.")]) -> None:
     """Render a saved report in the terminal."""

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from typer.testing import CliRunner
 
+from engine.core import kernels
 from magicdec_cli.main import app
 
 runner = CliRunner()
@@ -147,11 +150,31 @@ def test_json_summary_has_the_contract_keys_and_bad_rows_become_error_records(tm
         assert ok["error"] is None and isinstance(ok["text"], str) and ok["output_tokens"] > 0 and ok["prompt_tokens"] > 0
     report = json.loads((tmp_path / "out.jsonl.report.json").read_text())
     assert report["job"]["rows_ok"] == 5
-    assert (tmp_path / "out.jsonl.report.md").exists()
+    # The report names what served the job, so no slow fallback goes unseen.
+    hardware = report["hardware"]
+    assert hardware["dtype"] == "float32"
+    if os.environ.get(kernels.REQUIRE_ENV) == "1":  # the kernel is required wherever a compiler exists
+        assert all(path.startswith("fused CPU") for path in hardware["attention"].values()), hardware
+    assert "| compute | float32 GEMMs and KV cache; attention: decode " in (tmp_path / "out.jsonl.report.md").read_text()
+
+
+def assert_points_spread(report, rows, prefill_chunk=512):
+    """A point per ~2 s of the job (from its model load to its end); where single pieces of work (a
+    prefill chunk, a round) take longer than that (a busy machine), a point every other piece: the
+    timeline is sampled between pieces, never inside a forward."""
+    points = report["timeline"]
+    span = points[-1]["t"] - points[0]["t"]
+    pieces = report["speculative"]["rounds"] + sum(-(-r["prompt_tokens"] // prefill_chunk) for r in rows)
+    assert len(points) >= min(span / 2, pieces / 2), (len(points), span, pieces)
+
+
+STEP_LINE = re.compile(r"magicdec: (converting the model once: .+|converted .+ in [\d.]+ s|"
+                       r"compiling the fused CPU kernels once into .+|compiled the fused CPU kernels in [\d.]+ s|"
+                       r"waiting for another magicdec process .+)$")
 
 
 @pytest.mark.real_model
-def test_first_run_on_an_empty_model_cache_keeps_stdout_pure_json(tmp_path):
+def test_first_run_on_an_empty_model_cache_names_its_steps_and_keeps_stdout_pure_json(tmp_path):
     # Converting the packaged GGUF imports DeepSpeed through transformers, whose logger writes to the
     # stdout of its import time: a fresh process with a fresh cache is the only honest way to see it.
     data = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
@@ -159,10 +182,54 @@ def test_first_run_on_an_empty_model_cache_keeps_stdout_pure_json(tmp_path):
     env.pop("DS_ACCELERATOR", None)
     done = subprocess.run([sys.executable, "-m", "magicdec_cli.main", "run", "generic", "--input", str(data),
                            "--output", str(tmp_path / "out.jsonl"), *FAST[:-1], "--json"],
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["job"]["rows_ok"] == 1, done.stdout
     assert any((tmp_path / "cache" / "models").glob("*/model.safetensors"))  # it did convert
+    # --json draws no progress: everything on stderr comes before it would, and each line names its step.
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert all(STEP_LINE.match(line) for line in lines), done.stderr
+    steps = [line.split(":")[1].split()[0] for line in lines if "waiting for" not in line]
+    assert steps[:2] == ["converting", "converted"], done.stderr
+    if kernels.compiler_available():
+        assert steps[2:] == ["compiling", "compiled"], done.stderr
+
+
+@pytest.mark.real_model
+def test_the_time_line_adds_up_in_the_json_and_the_markdown_and_the_timeline_covers_the_job(tmp_path):
+    rows = ROWS + [{"id": "r5", "prompt": "The three laws of motion are"}]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    result = invoke("run", "generic", "--input", data, "--output", out, *FAST[:4], "--set", "sampling.max_new_tokens=24",
+                    *FAST[6:])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out.jsonl.report.json").read_text())
+    times = report["time"]
+    parts = [times[f"{name}_s"] for name in ("startup", "load", "prefill", "decode", "other")]
+    assert all(part >= 0 for part in parts), times
+    assert sum(parts) == pytest.approx(times["total_s"], rel=0.01)
+    assert times["prefill_s"] == report["throughput"]["prefill_s"] and times["decode_s"] == report["throughput"]["decode_s"]
+    job = report["job"]
+    assert job["wall_s"] == pytest.approx(times["prefill_s"] + times["decode_s"] + times["other_s"], rel=0.01)
+    assert job["total_s"] == times["total_s"] and job["load_s"] == times["load_s"]
+    markdown = (tmp_path / "out.jsonl.report.md").read_text()
+    row = re.search(r"\| time \| ([\d.]+) s from process start = startup ([\d.]+) \+ load ([\d.]+) \+ "
+                    r"prefill ([\d.]+) \+ decode ([\d.]+) \+ other ([\d.]+) s", markdown)
+    assert row, markdown
+    shown = [float(x) for x in row.groups()]
+    assert sum(shown[1:]) == pytest.approx(shown[0], rel=0.01) and shown[0] == pytest.approx(times["total_s"], abs=0.05)
+    assert "| row latency p50/p90/p99 from admission |" in markdown and "| peak resident |" in markdown
+    assert "| KV cache allocated | " in markdown and "(touched: " in markdown
+    memory = report["memory"]
+    assert 0 < memory["kv_cache_touched_bytes"] < memory["kv_cache_bytes"]
+    # The timeline: from the model load to the end, a point at least every ~2 s of it, in order.
+    points = report["timeline"]
+    assert points[0]["phase"] == "load" and points[0]["t"] == pytest.approx(times["startup_s"], abs=0.05)
+    assert points[-1]["phase"] == "end" and points[-1]["rows"] == 6
+    assert points[-1]["t"] <= times["total_s"]
+    assert all(a["t"] < b["t"] for a, b in zip(points, points[1:]))
+    assert_points_spread(report, [json.loads(line) for line in out.read_text().splitlines()])
+    assert (tmp_path / "out.jsonl.report.png").stat().st_size > 0
 
 
 @pytest.mark.real_model
@@ -220,6 +287,54 @@ def test_recipes_lists_and_resolves():
     assert all(name in listing.output for name in ("docqa", "rag", "code", "generic"))
     shown = invoke("recipes", "docqa", "--set", "batch.size=4")
     assert shown.exit_code == 0 and "size: 4" in shown.output and "method: snapkv" in shown.output
+
+
+@pytest.mark.parametrize("name, method, used, unused", [
+    ("docqa", "snapkv", ["window", "kernel_size", "pooling"], ["sink", "subspaces", "bits", "kmeans_iters"]),
+    ("code", "streamingllm", ["sink"], ["window", "kernel_size", "subspaces", "bits"]),
+    ("rag", "pqcache", ["sink", "window", "subspaces", "bits", "kmeans_iters", "kmeans_sample"],
+     ["kernel_size", "pooling"]),
+])
+def test_recipes_shows_the_keys_its_method_uses_and_all_of_them_with_all(tmp_path, name, method, used, unused):
+    from engine.config.loading import load_recipe
+
+    shown = invoke("recipes", name)
+    assert shown.exit_code == 0, shown.output
+    data = yaml.safe_load(shown.stdout)
+    assert data["draft"]["method"] == method
+    assert all(key in data["draft"] for key in ["budget", "linear_dtype", *used])
+    assert not any(key in data["draft"] for key in unused), data["draft"]
+    full = yaml.safe_load(invoke("recipes", name, "--all").stdout)
+    assert all(key in full["draft"] for key in used + unused)
+    # Templates read as written: a block scalar, no quotes, no doubled blank lines.
+    if "\n" in data["prompt"]["template"]:
+        assert "  template: |" in shown.stdout and "''" not in shown.stdout
+    # What it shows is a recipe: saved and loaded back, it is the same job.
+    saved = tmp_path / f"{name}.yaml"
+    saved.write_text(shown.stdout)
+    assert load_recipe(str(saved)).to_dict() == {**load_recipe(name).to_dict(), "name": name}
+
+
+def test_recipes_for_plain_decoding_shows_no_draft_knobs():
+    data = yaml.safe_load(invoke("recipes", "generic", "--set", "draft.method=none").stdout)
+    assert data["draft"] == {"method": "none"} and "spec" not in data
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["validate"], ["recipes"], ["plan"], ["bench"]])
+def test_help_shows_flags_as_flags_and_set_as_key_value(command):
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "160"})
+    assert result.exit_code == 0
+    text = result.output
+    assert "<bool>" not in text and "<list[str]>" not in text
+    if command in (["run"], ["validate"], ["recipes"]):
+        assert "--set" in text and "--help" in text, text
+    if "--set" in text:
+        assert re.search(r"--set\s+KEY=VALUE", text), text
+    for flag in ("--quiet", "--json", "--resume", "--overwrite", "--all", "--help"):
+        for line in text.splitlines():
+            if re.search(rf"{flag}\b(?![-=])", line) and "│" in line:
+                after = line.split(flag, 1)[1]
+                assert not re.match(r"\s+<", after), line
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -49,7 +49,7 @@ def test_jsonl_rows_in_order_blank_lines_not_counted(tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_text('{"id": "a", "prompt": "x"}\n\n   \n{"prompt": "y"}\n{"prompt": "z"}')
     reader = open_input(path)
-    assert (reader.format, reader.total) == ("jsonl", None)
+    assert (reader.format, reader.total) == ("jsonl", 3), "counted as iteration counts: blank lines are no rows"
     rows = list(reader)
     assert [r.index for r in rows] == [0, 1, 2]
     assert [r.data["prompt"] for r in rows] == ["x", "y", "z"]

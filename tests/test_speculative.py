@@ -166,3 +166,50 @@ def test_real_model_speculation_equals_plain(real_model, method):
     out = run(spec, prompts)
     assert out == plain
     assert spec.stats.accepted_tokens > 0
+
+
+def bf16_tiny(seed: int = 0):
+    """The tiny model and its transformers twin in bfloat16 (weights, activations and KV cache)."""
+    loaded, reference = make_tiny(seed)
+    loaded.model.to(torch.bfloat16)
+    reference.to(torch.bfloat16)
+    loaded.dtype = torch.bfloat16
+    return loaded, reference
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "pqcache"])
+def test_bf16_speculation_equals_bf16_plain(method):
+    """The bf16 path (bf16 weights and K/V; the fused kernel where built) stays lossless against the
+    engine's own bf16 plain decoding."""
+    loaded, _ = bf16_tiny(0)
+    prompts = random_prompts(6, 20, 150)
+    plain = run(build_engine(recipe("none"), loaded), prompts)
+    spec = run(build_engine(recipe(method), loaded), prompts)
+    assert spec == plain
+
+
+def test_bf16_plain_greedy_follows_transformers_bf16_generate():
+    """Greedy bf16 decoding against transformers' own bf16 `generate` (same weights). Two correct bf16
+    computations round differently, so a row may leave the reference's tokens, but only at a near-tie:
+    where they part, the reference's own logits for the two tokens are within bf16 rounding of each
+    other. A wrong computation parts at a clear winner, and fails. (The real model's figure is in
+    BENCHMARKS.md.)"""
+    loaded, reference = bf16_tiny(3)
+    prompts = random_prompts(8, 10, 120, seed=5)
+    engine = build_engine(recipe("none"), loaded)
+    results = {r.request.index: r.token_ids for r in engine.run(Request(i, i, p, 16) for i, p in enumerate(prompts))}
+    identical = 0
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)[0, len(prompt):].tolist()
+        ours = results[i]
+        parted = next((k for k, (a, b) in enumerate(zip(out, ours)) if a != b), None)
+        if parted is None:
+            identical += 1
+            continue
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + out[:parted]])).logits[0, -1].float()  # [vocab]
+        gap = float(logits[out[parted]] - logits[ours[parted]])
+        assert 0 <= gap <= 0.02 * float(logits.abs().max()) + 0.05, (i, parted, gap)
+    assert identical >= 4, f"{identical}/8 rows identical"

@@ -18,9 +18,13 @@ from typing import Any
 
 import yaml
 
-from engine.config.schema import (DEVICES, DRAFT_METHODS, DTYPES, LINEAR_DTYPES, OUTPUT_ORDERS, POOLINGS,
-                                  ROW_FORMATS, TRUNCATIONS, Recipe)
+from engine.config.schema import (DEVICES, DRAFT_METHOD_KEYS, DRAFT_METHODS, DRAFT_SHARED_KEYS, DTYPES,
+                                  LINEAR_DTYPES, OUTPUT_ORDERS, POOLINGS, ROW_FORMATS, SAMPLING_KEYS, TRUNCATIONS,
+                                  Recipe, SamplingConfig)
 from engine.errors import JobError
+
+MAPPING_KEYS = {"input.sampling_columns": SAMPLING_KEYS}  # recipe keys holding a mapping: its allowed keys
+
 
 def shipped_recipes():
     """The folder of shipped recipes (package data; a real folder for any normal install)."""
@@ -74,6 +78,39 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Rec
     return recipe_from_dict(raw, source=str(path))
 
 
+def recipe_view(recipe: Recipe, *, all_keys: bool = False) -> dict[str, Any]:
+    """The recipe as a dict; unless all_keys, without the draft keys its method does not read (and
+    without `spec` for plain decoding). A method this module does not list keeps every key."""
+    data = recipe.to_dict()
+    method = recipe.draft.method
+    if all_keys or method not in DRAFT_METHOD_KEYS:
+        return data
+    used = ("method",) if method == "none" else DRAFT_SHARED_KEYS + DRAFT_METHOD_KEYS[method]
+    data["draft"] = {k: v for k, v in data["draft"].items() if k in used}
+    if method == "none":
+        data.pop("spec", None)
+    return data
+
+
+class _RecipeDumper(yaml.SafeDumper):
+    """YAML as people write recipes: multi-line strings (templates) as `|` block scalars."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str):
+    if "\n" in value:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
+    return dumper.represent_str(value)
+
+
+_RecipeDumper.add_representer(str, _represent_str)
+
+
+def recipe_yaml(recipe: Recipe, *, all_keys: bool = False) -> str:
+    """The resolved recipe as YAML that loads back into the same recipe (`recipe_view` decides the keys)."""
+    return yaml.dump(recipe_view(recipe, all_keys=all_keys), Dumper=_RecipeDumper, sort_keys=False,
+                     allow_unicode=True, width=100)
+
+
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply one `dotted.key=value` (value parsed as a YAML scalar) to a raw recipe mapping."""
     key, sep, text = item.partition("=")
@@ -115,8 +152,19 @@ def _unknown_key_error(key: str, origin: str) -> JobError:
 
 
 def _check_key_path(parts: list[str], origin: str) -> None:
-    if ".".join(parts) not in valid_keys():
+    parent = ".".join(parts[:-1])
+    if parent in MAPPING_KEYS:  # --set input.sampling_columns.temperature=temp
+        _check_mapping_key(parent, parts[-1], origin)
+    elif ".".join(parts) not in valid_keys():
         raise _unknown_key_error(".".join(parts), origin)
+
+
+def _check_mapping_key(parent: str, key: Any, origin: str) -> None:
+    allowed = MAPPING_KEYS[parent]
+    if key not in allowed:
+        close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.5)
+        hint = f"; did you mean '{parent}.{close[0]}'?" if close else ""
+        raise JobError(f"{origin}: unknown key '{parent}.{key}' (one of {_one_of(allowed)}){hint}")
 
 
 def recipe_from_dict(raw: dict[str, Any], source: str = "recipe") -> Recipe:
@@ -148,9 +196,18 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
 
 
 def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
-    """Check a scalar against its annotated type; tuples accept a list or a single item."""
+    """Check a value against its annotated type: scalars; tuples of str accept a list or a single
+    item; dict[str, str] a mapping whose keys MAPPING_KEYS allows."""
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
+    if origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict) or not all(isinstance(v, str) and v for v in value.values()):
+            raise JobError(f"{source}: '{key}' must be a mapping of keys to column names, got {value!r}")
+        for name in value:
+            _check_mapping_key(key, name, source)
+        return dict(value)
     if origin is tuple:
         items = [value] if isinstance(value, str) else value
         if items is None:
@@ -235,17 +292,9 @@ def _validate(r: Recipe, source: str) -> None:
         fail("batch.prefix_block", "must be >= 1")
     if b.prefix_reuse and b.prefix_cache < b.prefix_block:
         fail("batch.prefix_cache", f"must hold at least one block (batch.prefix_block = {b.prefix_block} tokens)")
-    s = r.sampling
-    if s.temperature < 0:
-        fail("sampling.temperature", "must be >= 0")
-    if not 0 < s.top_p <= 1:
-        fail("sampling.top_p", "must be in (0, 1]")
-    if s.top_k < 0:
-        fail("sampling.top_k", "must be >= 0")
-    if s.max_new_tokens < 1:
-        fail("sampling.max_new_tokens", "must be >= 1")
-    if any(not x for x in s.stop):
-        fail("sampling.stop", "must not contain an empty string")
+    problem = sampling_problem(r.sampling)
+    if problem is not None:
+        fail("sampling." + problem[0], problem[1])
     if r.prompt.truncate not in TRUNCATIONS:
         fail("prompt.truncate", f"must be {_one_of(TRUNCATIONS)}, got {r.prompt.truncate!r}")
     if r.output.format not in ROW_FORMATS:
@@ -254,6 +303,21 @@ def _validate(r: Recipe, source: str) -> None:
         fail("output.order", f"must be {_one_of(OUTPUT_ORDERS)}, got {r.output.order!r}")
     if not r.model:
         fail("model", "must name a model")
+
+
+def sampling_problem(s: SamplingConfig) -> tuple[str, str] | None:
+    """(key, why) for the first out-of-range sampling value, or None: the recipe's and each row's own."""
+    if s.temperature < 0:
+        return "temperature", "must be >= 0"
+    if not 0 < s.top_p <= 1:
+        return "top_p", "must be in (0, 1]"
+    if s.top_k < 0:
+        return "top_k", "must be >= 0"
+    if s.max_new_tokens < 1:
+        return "max_new_tokens", "must be >= 1"
+    if any(not x for x in s.stop):
+        return "stop", "must not contain an empty string"
+    return None
 
 
 def _one_of(values: tuple[str, ...]) -> str:

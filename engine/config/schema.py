@@ -23,6 +23,15 @@ TRUNCATIONS = ("error", "left")  # prompt.truncate
 ROW_FORMATS = ("auto", "magicdec", "openai")  # output.format (auto: openai for an OpenAI batch input)
 OUTPUT_ORDERS = ("input", "finish")  # output.order
 
+# The draft keys each method reads (`magicdec recipes NAME` shows only these; --all shows every key).
+DRAFT_SHARED_KEYS = ("method", "model", "budget", "linear_dtype")  # every method but none
+DRAFT_METHOD_KEYS = {"none": (), "streamingllm": ("sink",), "snapkv": ("window", "kernel_size", "pooling"),
+                     "pqcache": ("sink", "window", "subspaces", "bits", "kmeans_iters", "kmeans_sample"),
+                     "guided": ("sink", "window", "kernel_size", "pooling", "smoothing")}
+
+# The sampling keys a row may set for itself (OpenAI batch body fields, or `input.sampling_columns`).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop")
+
 
 @dataclass(frozen=True)
 class DraftConfig:
@@ -61,6 +70,8 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
+    """The recipe's sampling, and (with a row's own values put in) one row's: see engine.job.row_sampling."""
+
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -71,6 +82,11 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def warping(self) -> tuple[float, float, int] | None:
+        """What turns logits into a distribution (None: greedy); rows with equal warping sample together."""
+        return None if self.greedy else (self.temperature, self.top_p, self.top_k)
 
 
 @dataclass(frozen=True)
@@ -84,6 +100,9 @@ class PromptConfig:
 @dataclass(frozen=True)
 class InputConfig:
     id_field: str = "id"  # rows without it get their 0-based row number as id
+    # sampling key (SAMPLING_KEYS) -> the column holding a row's own value; a null or absent value
+    # falls back to the recipe's sampling (e.g. {temperature: temp, stop: stops})
+    sampling_columns: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,14 @@ the cache folder, keyed by the sources and the CPU's flags, so a shared home dir
 build made for another CPU. If no compiler is available (or MAGICDEC_CPU_KERNEL=0), `load()` returns
 None and the engine uses the pure-torch attention, which gives the same results more slowly; with
 `MAGICDEC_REQUIRE_KERNEL=1` (the test suite sets it wherever a compiler exists, and under `CI=true`) a
-failed build raises instead, so it cannot hide behind the fallback. This module builds and loads;
-the attention module decides when to call the kernel.
+failed build raises instead, so it cannot hide behind the fallback. A build is announced as a step
+(`engine.steps`: a line when it starts, one with its time; about 40 s on 2 cores). This module
+builds and loads; the attention module decides when to call the kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -20,6 +22,7 @@ import shutil
 from pathlib import Path
 
 from engine.cache_dir import cache_root, file_lock
+from engine.steps import step, waiting
 
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_draft_ops.cpp", "cpu_guided.cpp")]
@@ -70,7 +73,8 @@ def _build():
     build_dir = cache_root() / "torch_extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
-    with file_lock(build_dir / "build.lock"):  # data-parallel ranks may start together
+    # Data-parallel ranks (or other jobs sharing the cache) may start together: one builds, the rest wait.
+    with file_lock(build_dir / "build.lock", on_wait=waiting(f"to finish with the fused CPU kernels in {build_dir}")):
         # torch's builder marks a build in progress with a `lock` file and waits while one exists; a
         # process killed mid-build leaves it behind. Holding our lock, no other build can be running.
         (build_dir / "lock").unlink(missing_ok=True)
@@ -82,5 +86,9 @@ def _build():
             if not copy.is_file() or copy.read_bytes() != path.read_bytes():
                 copy.write_bytes(path.read_bytes())
             sources.append(str(copy))
-        return load_extension(name=name, sources=sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                              build_directory=str(build_dir), verbose=False)
+        with contextlib.ExitStack() as announced:
+            if not (build_dir / f"{name}.so").is_file():  # else torch only loads what was built before
+                announced.enter_context(step(f"compiling the fused CPU kernels once into {build_dir} "
+                                             "(about 60 s on 2 cores)", "compiled the fused CPU kernels"))
+            return load_extension(name=name, sources=sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                  build_directory=str(build_dir), verbose=False)

@@ -23,6 +23,7 @@ class KVCache:
         self.k = torch.empty(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, capacity, head_dim]
         self.v = torch.empty(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, capacity, head_dim]
         self.lengths = [0] * slots  # committed positions per slot
+        self.high_water = [0] * slots  # the most positions each slot ever had committed
 
     @staticmethod
     def bytes_needed(*, layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int,
@@ -34,6 +35,16 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """One position of one slot: layers x 2 (K and V) x kv_heads x head_dim x element size."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.k.element_size()
+
+    @property
+    def touched_bytes(self) -> int:
+        """The part of the allocation rows have used: each slot's most committed positions x bytes per token."""
+        return sum(self.high_water) * self.bytes_per_token
 
     @property
     def device(self) -> torch.device:
@@ -48,6 +59,8 @@ class KVCache:
         if not 0 <= length <= self.capacity:
             raise ValueError(f"slot {slot}: length {length} outside [0, {self.capacity}]")
         self.lengths[slot] = length
+        if length > self.high_water[slot]:
+            self.high_water[slot] = length
 
     def write(self, layer: int, slot_rows: torch.Tensor, positions: torch.Tensor,
               key: torch.Tensor, value: torch.Tensor) -> None:

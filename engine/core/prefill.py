@@ -15,7 +15,7 @@ waves so), or they compute it twice. This module knows nothing of speculation or
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -65,8 +65,10 @@ class RowPrefill:
 
 
 def prefill_rows(runner: ModelRunner, rows: list[RowPrefill], chunk: int, listener: SlotListener | None = None,
-                 store: PrefixStore | None = None) -> None:
-    """Cache every row's prompt in its slot (see the module docstring); fills each row's `logits` and `reused`."""
+                 store: PrefixStore | None = None, *, on_chunk: Callable[[], None] | None = None) -> None:
+    """Cache every row's prompt in its slot (see the module docstring); fills each row's `logits` and `reused`.
+
+    on_chunk: called before each packed forward (an observer's chance to look at the clock)."""
     cache = runner.cache
     for row in rows:
         n = len(row.prompt_ids)
@@ -83,6 +85,8 @@ def prefill_rows(runner: ModelRunner, rows: list[RowPrefill], chunk: int, listen
                 store.stats.hits += 1
                 store.load(cache, row.slot, blocks, row.reused)
     for pack in _packs(rows, chunk):
+        if on_chunk is not None:
+            on_chunk()
         segments = [Segment(row.slot, start, length, row.window) for row, start, length in pack]
         tokens = torch.tensor([t for row, start, length in pack for t in row.prompt_ids[start:start + length]],
                               dtype=torch.long, device=runner.device)  # [N]

@@ -1,23 +1,31 @@
-"""Turning logits into tokens: temperature / top-k / top-p warping and per-row seeded sampling.
+"""Turning logits into tokens: temperature / top-k / top-p warping, per-row seeded sampling, and the
+per-row sampling of a batch whose rows each have their own parameters.
 
 The same `warp` is applied to the target's and the draft's logits, so speculative rejection sampling
-compares the two distributions the user asked for. Each row owns a `torch.Generator` seeded from the
-recipe seed and the row's id, so a row's samples do not depend on which slot or batch it ran in.
-This module does not decide acceptance (see `verification`).
+compares the two distributions the user asked for. Each row owns a `torch.Generator` seeded from its
+seed and its id (or its own seed alone, when the row set one), so a row's samples do not depend on
+which slot or batch it ran in. `BatchSampling` groups a batch's rows by their warping (greedy rows
+take the argmax) so that a batch of identical rows, the common case, costs one vectorised call.
+This module does not decide acceptance (see `engine.spec.verification`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Sequence
 
 import torch
 
 from engine.config.schema import SamplingConfig
 
+ROW_SEED_ONLY = object()  # row_generator(seed, ROW_SEED_ONLY): the stream depends on the seed alone
+
 
 def row_generator(seed: int, row_id: object, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator whose stream depends only on (recipe seed, row id): reproducible run to run."""
-    digest = hashlib.sha256(f"{seed}\x00{row_id!r}".encode()).digest()
+    """A generator whose stream depends only on (seed, row id), or on the seed alone for
+    `ROW_SEED_ONLY`: reproducible run to run."""
+    text = f"{seed}" if row_id is ROW_SEED_ONLY else f"{seed}\x00{row_id!r}"
+    digest = hashlib.sha256(text.encode()).digest()
     generator = torch.Generator(device=device)
     generator.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     return generator
@@ -51,3 +59,71 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch
 def uniform_rows(count: int, generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
     """`count` uniforms in [0, 1) per row from each row's generator: [B, count]."""
     return torch.stack([torch.rand(count, generator=g, device=device) for g in generators])
+
+
+class SampledGroup:
+    """Rows of a batch that share one warping: their row indices ([R], None = every row of the
+    batch), that warping's parameters, and each row's generator."""
+
+    def __init__(self, rows: torch.Tensor | None, params: SamplingConfig, generators: list[torch.Generator]):
+        self.rows = rows
+        self.params = params
+        self.generators = generators
+
+
+class BatchSampling:
+    """How each row of one batch turns logits into tokens, every row under its own parameters.
+
+    `greedy_rows` ([G] indices, None = none) take the argmax; `groups` are the sampled rows, one
+    `SampledGroup` per distinct warping (temperature, top_p, top_k). When every row has the same
+    parameters (all greedy, or one group with rows None) nothing is indexed: one call, as for a
+    single recipe-wide setting.
+    """
+
+    def __init__(self, params: Sequence[SamplingConfig], generators: Sequence[torch.Generator | None],
+                 device: torch.device):
+        self.size = len(params)
+        self.greedy_rows: torch.Tensor | None = None
+        self.groups: list[SampledGroup] = []
+        first = params[0]
+        # Rows without values of their own share the recipe's object: the common case, checked cheaply.
+        warpings = None if all(p is first for p in params) else [p.warping for p in params]
+        if warpings is None or all(w == warpings[0] for w in warpings):
+            if not first.greedy:
+                self.groups.append(SampledGroup(None, first, list(generators)))
+            return
+        by_warping: dict[tuple, list[int]] = {}
+        greedy = []
+        for b, w in enumerate(warpings):
+            (greedy if w is None else by_warping.setdefault(w, [])).append(b)
+        if greedy:
+            self.greedy_rows = torch.tensor(greedy, dtype=torch.long, device=device)
+        for rows in by_warping.values():
+            self.groups.append(SampledGroup(torch.tensor(rows, dtype=torch.long, device=device),
+                                            params[rows[0]], [generators[b] for b in rows]))
+
+    @classmethod
+    def of(cls, seqs, device: torch.device) -> "BatchSampling":
+        """For engine sequences (anything with `.sampling` and `.generator`)."""
+        return cls([s.sampling for s in seqs], [s.generator for s in seqs], device)
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.groups
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next tokens [B] from logits [B, vocab], and the distributions the sampled rows drew from
+        ([B, vocab], float32; greedy rows' rows are zeros), or None when every row is greedy."""
+        if self.all_greedy:
+            return logits.argmax(dim=-1), None
+        if self.groups[0].rows is None:  # one warping for the whole batch
+            group = self.groups[0]
+            probs = warp(logits, group.params)
+            return sample_rows(probs, group.generators), probs
+        tokens = logits.argmax(dim=-1)  # [B]; the greedy rows keep theirs
+        probs = logits.new_zeros(logits.shape, dtype=torch.float32)  # [B, vocab]
+        for group in self.groups:
+            group_probs = warp(logits[group.rows], group.params)  # [R, vocab]
+            probs[group.rows] = group_probs
+            tokens[group.rows] = sample_rows(group_probs, group.generators)
+        return tokens, probs

@@ -26,7 +26,7 @@ from engine.config.schema import Recipe, slot_capacity
 from engine.core.prefill import RowPrefill, SlotListener, prefill_rows, shares_a_prefix
 from engine.core.prefix_store import PrefixStore
 from engine.core.runner import ModelRunner
-from engine.core.sampling import row_generator
+from engine.core.sampling import ROW_SEED_ONLY, row_generator
 from engine.core.sequence import Request, Result, Sequence, error_result
 from engine.core.stats import EngineStats
 from engine.models.loading import LoadedModel
@@ -70,15 +70,25 @@ class Decoder(Protocol):
         """The row in `slot` finished: forget whatever the decoder keeps for it."""
 
 
+PREFILL, DECODE = "prefill", "decode"  # what `Scheduler.on_phase` is told is about to run
+
+
 class Scheduler:
     def __init__(self, recipe: Recipe, target: LoadedModel, decoder: Decoder, stats: EngineStats,
-                 *, on_round: Callable[[RoundRecord], None] | None = None):
-        """target: the loaded target model; decoder.prefill_targets[0].runner must be its runner."""
+                 *, on_round: Callable[[RoundRecord], None] | None = None,
+                 on_phase: Callable[[str], None] | None = None):
+        """target: the loaded target model; decoder.prefill_targets[0].runner must be its runner.
+
+        on_round: told what each round did, after it. on_phase: called with PREFILL before every
+        prefill chunk and with DECODE before every round, so an observer (the job's timeline) can
+        look at the clock and at `stats` between two pieces of work, whatever their length.
+        """
         self.recipe = recipe
         self.target_model = target
         self.decoder = decoder
         self.stats = stats
         self.on_round = on_round
+        self.on_phase = on_phase
         self.target = decoder.prefill_targets[0].runner
         self.max_len, _ = slot_capacity(recipe, target.max_context)
         self.free_slots = list(range(recipe.batch.size))
@@ -98,6 +108,8 @@ class Scheduler:
                 if not waiting:
                     return
                 continue
+            if self.on_phase is not None:
+                self.on_phase(DECODE)
             record = self.decoder.step(self.active)
             if self.on_round is not None:
                 self.on_round(record)
@@ -128,25 +140,37 @@ class Scheduler:
 
     def admit(self, requests: list[Request]) -> list[Sequence]:
         """Prefill a wave of requests into free slots (packed), emit their first tokens; returns their rows."""
-        sampling = self.recipe.sampling
         seqs = []
         for request in requests:
             slot = self.free_slots.pop(0)
-            generator = None if sampling.greedy else row_generator(sampling.seed, request.id, self.target.device)
+            sampling = request.sampling or self.recipe.sampling
+            generator = None
+            if not sampling.greedy:  # a row's samples depend on its seed (and id), never on its slot or batch
+                generator = row_generator(sampling.seed, ROW_SEED_ONLY if request.own_seed else request.id,
+                                          self.target.device)
             seqs.append(Sequence(request, slot, max_len=self.max_len, eos_ids=self.target_model.eos_token_ids,
-                                 stop_strings=sampling.stop, tokenizer=self.target_model.tokenizer,
+                                 sampling=sampling, tokenizer=self.target_model.tokenizer,
                                  generator=generator))
-        t0 = time.perf_counter()
+        clock = [time.perf_counter()]
+
+        def chunk_starts() -> None:  # prefill time is counted as it passes, so an observer sees it grow
+            now = time.perf_counter()
+            self.stats.prefill_s += now - clock[0]
+            clock[0] = now
+            if self.on_phase is not None:
+                self.on_phase(PREFILL)
+
         logits = None
         for index, target in enumerate(self.decoder.prefill_targets):
             rows = [RowPrefill(seq.slot, seq.request.prompt_ids) for seq in seqs]
-            prefill_rows(target.runner, rows, self.recipe.batch.prefill_chunk, target.listener, target.store)
+            prefill_rows(target.runner, rows, self.recipe.batch.prefill_chunk, target.listener, target.store,
+                         on_chunk=chunk_starts)
             if index == 0:  # the target's own: the tokens the job computed or reused
                 logits = torch.stack([row.logits for row in rows])  # [B, vocab]
                 reused = sum(row.reused for row in rows)
                 self.stats.prefill_tokens += sum(seq.prompt_len for seq in seqs) - reused
                 self.stats.prefill_tokens_reused += reused
-        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefill_s += time.perf_counter() - clock[0]
         self.decoder.start(seqs, logits)
         self.active.extend(seqs)
         return seqs

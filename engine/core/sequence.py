@@ -1,10 +1,11 @@
 """One request and its progress through the engine: the row's tokens and its own stopping rules.
 
-A `Request` is what the job layer hands the engine (already tokenised); a `Sequence` is a request
-occupying a cache slot; a `Result` is what comes back. `Sequence.extend` takes the tokens a round
-produced and keeps only those before the row's stop (EOS, a stop string, `max_new_tokens`, the slot's
-capacity), so a stop inside an accepted speculative run cuts the row exactly there while other rows
-go on. No tensors or models here.
+A `Request` is what the job layer hands the engine (already tokenised, with the row's own sampling
+parameters when it has them); a `Sequence` is a request occupying a cache slot; a `Result` is what
+comes back. `Sequence.extend` takes the tokens a round produced and keeps only those before the row's
+stop (EOS, one of its stop strings, its `max_new_tokens`, the slot's capacity), so a stop inside an
+accepted speculative run cuts the row exactly there while other rows go on. No models here; a
+sampled row holds its own random generator.
 """
 
 from __future__ import annotations
@@ -15,15 +16,20 @@ from typing import Any
 
 import torch
 
+from engine.config.schema import SamplingConfig
+
 
 @dataclasses.dataclass
 class Request:
     index: int  # 0-based position in the input
     id: Any
     prompt_ids: list[int]
-    max_new_tokens: int
+    max_new_tokens: int  # the row's own (`sampling.max_new_tokens` when it has a sampling)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # columns the job keeps
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # the job's own data, carried untouched
+    enqueued_at: float | None = None  # time.perf_counter() when the job read it (None: not tracked)
+    sampling: SamplingConfig | None = None  # the row's sampling parameters; None: the recipe's
+    own_seed: bool = False  # the row set its seed: its generator is seeded by that seed alone
 
 
 @dataclasses.dataclass
@@ -35,6 +41,7 @@ class Result:
     error: str | None = None
     latency_s: float = 0.0  # admission to finish
     first_token_s: float = 0.0  # admission to first token
+    queue_s: float = 0.0  # read from the input (Request.enqueued_at) to admission into a slot
 
     @property
     def prompt_tokens(self) -> int:
@@ -47,13 +54,16 @@ class Result:
 
 class Sequence:
     def __init__(self, request: Request, slot: int, *, max_len: int, eos_ids: tuple[int, ...],
-                 stop_strings: tuple[str, ...], tokenizer: Any, generator: torch.Generator | None):
+                 sampling: SamplingConfig, tokenizer: Any, generator: torch.Generator | None):
+        """sampling: the row's parameters (its stop strings; its warping, which the rounds read);
+        generator: the row's own (None for a greedy row)."""
         self.request = request
         self.slot = slot
         self.prompt_len = len(request.prompt_ids)
         self.max_new_tokens = min(request.max_new_tokens, max_len - self.prompt_len)
         self.eos_ids = set(eos_ids)
-        self.stop_strings = stop_strings
+        self.sampling = sampling
+        self.stop_strings = sampling.stop
         self.tokenizer = tokenizer
         self.generator = generator
         self.generated: list[int] = []
@@ -115,8 +125,10 @@ class Sequence:
                 text = text[: self.stop_text_end]
         now = time.perf_counter()
         first = (self.first_token_at or now) - self.admitted_at
+        enqueued = self.request.enqueued_at
         return Result(self.request, list(self.generated), text, self.finish_reason or "length",
-                      latency_s=now - self.admitted_at, first_token_s=first)
+                      latency_s=now - self.admitted_at, first_token_s=first,
+                      queue_s=self.admitted_at - enqueued if enqueued is not None else 0.0)
 
 
 def error_result(request: Request, message: str) -> Result:

@@ -36,6 +36,7 @@ class JobOptions:
     limit: int | None = None
     tp: int = 1
     finalize: bool = True  # False: a data-parallel shard, left staged for rank 0 to merge (input order)
+    process_started: float | None = None  # time.time() at process start (the CLI's); None: when run_job began
 
 
 def default_output_path(input_path: Path, recipe: Recipe) -> Path:

@@ -1,7 +1,9 @@
 """The per-job report: counters -> JSON (the contract's keys), a Markdown twin and a PNG plot.
 
-`JobReport` collects what the job runner tells it (rows, latencies, a timeline of progress samples)
-and the engine's `EngineStats`, and turns them into the report dict (`engine.job.report_render`
+`JobReport` collects what the job runner tells it (rows, latencies, queueing times, the timeline of
+`engine.job.timeline`, when the process started and the model loaded) and the engine's
+`EngineStats`, and turns them into the report dict, whose `time` section is the job's one time
+line (total from process start = startup + load + prefill + decode + other) (`engine.job.report_render`
 writes it as JSON, Markdown and a plot). It computes nothing about decoding itself and never
 touches models or input files.
 """
@@ -33,36 +35,46 @@ class JobReport:
     tp: int = 1
     dp: int = 1
     draft_gemms: str = "-"  # dtype of the draft's linear layers ("-" without a draft)
-    started: float = dataclasses.field(default_factory=time.time)
+    dtype: str = "-"  # the target's weights, activations and KV cache (its GEMMs run in it)
+    attention: dict[str, str] = dataclasses.field(default_factory=dict)  # engine.core.attention.attention_paths
+    started: float = dataclasses.field(default_factory=time.time)  # time.time() once the model has loaded
     load_s: float = 0.0
+    load_started: float | None = None  # time.time() when loading began (None: started - load_s)
+    process_started: float | None = None  # time.time() when the process began (None: load_started)
     rows_ok: int = 0
     rows_failed: int = 0
     rows_resumed: int = 0  # already in the output when the job started (--resume)
     resumed_failed: int = 0  # of those, error records
-    latencies: list[float] = dataclasses.field(default_factory=list)
-    first_token: list[float] = dataclasses.field(default_factory=list)
-    timeline: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    kv_cache_bytes: int = 0
+    latencies: list[float] = dataclasses.field(default_factory=list)  # per row: admission to finish
+    first_token: list[float] = dataclasses.field(default_factory=list)  # per row: admission to first token
+    queue: list[float] = dataclasses.field(default_factory=list)  # per row: read from the input to admission
+    timeline: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # engine.job.timeline points
+    kv_cache_bytes: int = 0  # allocated, target + separate draft + compact store
+    kv_touched_bytes: int = 0  # of it, what rows used (engine.core.kv_cache.KVCache.touched_bytes)
+    memory_check_bytes: int = 0  # what the memory check counted before loading (KV cache, stores, weights)
     prefix_reuse: dict[str, Any] = dataclasses.field(default_factory=lambda: {"enabled": False})  # prefix_summary()
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def sample(self, stats: EngineStats) -> None:
-        """Record one point of the throughput / acceptance timeline."""
-        self.timeline.append({
-            "t": time.time() - self.started,
-            "rows": self.rows_ok + self.rows_failed,
-            "decode_tokens": stats.decode_tokens,
-            "decode_s": stats.decode_s,
-            "draft_tokens": stats.draft_tokens,
-            "accepted_tokens": stats.accepted_tokens,
-        })
+    @property
+    def rows_done(self) -> int:
+        """Rows this run has finished (ok or error record)."""
+        return self.rows_ok + self.rows_failed
 
     @property
     def exit_code(self) -> int:
         return 1 if self.rows_failed or self.resumed_failed else 0
 
+    def time_parts(self, stats: EngineStats, now: float) -> dict[str, Any]:
+        """The job's one time line: total from process start = startup + load + prefill + decode + other."""
+        load_started = self.load_started if self.load_started is not None else self.started - self.load_s
+        process_started = self.process_started if self.process_started is not None else load_started
+        return time_parts(total=now - process_started, startup=load_started - process_started, load=self.load_s,
+                          prefill=stats.prefill_s, decode=stats.decode_s)
+
     def to_dict(self, stats: EngineStats) -> dict[str, Any]:
-        wall = time.time() - self.started
+        now = time.time()
+        times = self.time_parts(stats, now)
+        peak, peak_kind = peak_memory(self.device)
         return {
             "job": {
                 "recipe": self.recipe, "model": self.model, "input": self.input, "output": self.output,
@@ -71,19 +83,39 @@ class JobReport:
                 "rows_failed": self.rows_failed + self.resumed_failed,
                 "rows_this_run": self.rows_ok + self.rows_failed,
                 "rows_resumed": self.rows_resumed,
-                "wall_s": wall, "load_s": self.load_s,
+                # wall_s: from the model loaded to the report (= prefill + decode + other of `time`);
+                # total_s: from the process start (= every part of `time`).
+                "wall_s": now - self.started, "load_s": self.load_s, "total_s": times["total_s"],
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
                 "exit_code": self.exit_code,
             },
+            "time": times,
             "throughput": stats.throughput_summary(),
             "speculative": {**stats.speculative_summary(self.method, self.budget), "draft_gemms": self.draft_gemms},
-            "latency": {"row_s": percentiles(self.latencies), "first_token_s": percentiles(self.first_token)},
-            "memory": {"peak_bytes": peak_memory_bytes(self.device), "kv_cache_bytes": self.kv_cache_bytes},
-            "hardware": hardware_summary(self.device, self.tp, self.dp),
+            # row_s and first_token_s count from the row's admission into a slot; queue_s from its
+            # reading off the input to that admission.
+            "latency": {"row_s": percentiles(self.latencies), "first_token_s": percentiles(self.first_token),
+                        "queue_s": percentiles(self.queue), "from": "admission"},
+            "memory": {"peak_bytes": peak, "peak_kind": peak_kind, "kv_cache_bytes": self.kv_cache_bytes,
+                       "kv_cache_touched_bytes": self.kv_touched_bytes, "check_bytes": self.memory_check_bytes},
+            "hardware": {**hardware_summary(self.device, self.tp, self.dp), "dtype": self.dtype,
+                         "attention": self.attention},
             "prefix_reuse": self.prefix_reuse,
             "timeline": self.timeline,
             **self.extra,
         }
+
+
+TIME_PARTS = ("startup", "load", "prefill", "decode", "other")
+
+
+def time_parts(*, total: float, startup: float, load: float, prefill: float, decode: float) -> dict[str, Any]:
+    """total and its parts, `other` being the rest, so they add up exactly (one process, one thread:
+    the parts never overlap). startup: process start to the model load (imports, checks, counting
+    the input); other: reading and tokenising rows, writing results, the report."""
+    parts = {"startup_s": startup, "load_s": load, "prefill_s": prefill, "decode_s": decode}
+    return {"total_s": total, **parts, "other_s": total - sum(parts.values()), "from": "process start",
+            "overlap": "none"}
 
 
 def prefix_summary(store) -> dict[str, Any]:
@@ -119,11 +151,16 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": ordered[-1]}
 
 
-def peak_memory_bytes(device: str) -> int:
+PEAK_RESIDENT = "whole process, ru_maxrss"  # what memory.peak_bytes measures, on CPU
+PEAK_CUDA = "cuda, torch.cuda.max_memory_allocated"  # and on a GPU
+
+
+def peak_memory(device: str) -> tuple[int, str]:
+    """(bytes, what they measure): the process's peak resident set, or on CUDA torch's peak allocation."""
     if device.startswith("cuda") and torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
+        return int(torch.cuda.max_memory_allocated()), PEAK_CUDA
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss_kib * (1 if sys.platform == "darwin" else 1024))
+    return int(rss_kib * (1 if sys.platform == "darwin" else 1024)), PEAK_RESIDENT
 
 
 def hardware_summary(device: str, tp: int, dp: int) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """From input rows to engine requests: the one path `magicdec run` and `magicdec validate` share.
 
-Each row gets a verdict: a `Request` to generate, an error record (unreadable row, bad OpenAI batch
-request, missing template column, a prompt that cannot fit its slot), or a duplicate (its id was
+Each row gets a verdict: a `Request` to generate (with the row's own sampling parameters,
+`engine.job.row_sampling`), an error record (unreadable row, bad OpenAI batch request, a bad
+sampling value, missing template column, a prompt that cannot fit its slot), or a duplicate (its id was
 already queued in this run; the output is keyed by id, so it is not generated twice). Ids come from
 `input.id_field`, an OpenAI batch row's `custom_id` (read from the text of a line that is not valid
 JSON, when it can be), or the row number; ids made up from row numbers
@@ -23,6 +24,7 @@ from engine.job.io.lines import endpoint_of
 from engine.job.io.openai_batch import openai_batch_request, salvage_custom_id
 from engine.job.io.output import id_key
 from engine.job.prompts import PromptBuilder
+from engine.job.row_sampling import row_sampling
 
 
 @dataclasses.dataclass
@@ -53,7 +55,6 @@ def row_verdicts(rows: Iterable[InputRow], recipe: Recipe, builder: PromptBuilde
             return
         data = row.data or {}
         row_id = data.get(id_field, row.index)
-        max_new = recipe.sampling.max_new_tokens
         error = row.error
         openai = None
         if row.data is None:
@@ -67,7 +68,6 @@ def row_verdicts(rows: Iterable[InputRow], recipe: Recipe, builder: PromptBuilde
                 row_id = data.get("custom_id", row_id)
         if openai is not None:
             row_id = openai["id"]
-            max_new = openai["overrides"].get("max_new_tokens", max_new)
         if id_field in data or openai is not None:
             id_is_str = isinstance(row_id, str) if id_is_str is None else id_is_str
         elif id_is_str:
@@ -86,14 +86,16 @@ def row_verdicts(rows: Iterable[InputRow], recipe: Recipe, builder: PromptBuilde
         try:
             if error is not None:
                 raise RowError(error)
+            sampling = row_sampling(recipe, data, openai)
+            max_new = sampling.params.max_new_tokens
             if builder.tokenizer is None:
                 if openai is None:
                     builder.text(data)  # the template's columns are there
             else:
                 ids = builder.token_ids(data, openai, max_new_tokens=max_new)
                 extra = {c: data.get(c) for c in recipe.output.keep_columns}
-                verdict.request = Request(row.index, row_id, ids, max_new, extra,
-                                          meta={"endpoint": verdict.endpoint})
+                verdict.request = Request(row.index, row_id, ids, max_new, extra, meta={"endpoint": verdict.endpoint},
+                                          sampling=sampling.params, own_seed=sampling.own_seed)
                 problem = slot_problem(verdict.request, max_len)
                 if problem:
                     raise RowError(problem)

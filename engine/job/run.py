@@ -15,8 +15,11 @@ import time
 from pathlib import Path
 from typing import AbstractSet, Any, Callable, Iterator, Protocol
 
+import torch
+
 from engine.config.schema import Recipe
-from engine.core.attention import ATTN_NAME  # importing it registers the engine's attention with transformers
+from engine.core import kernels as cpu_kernels
+from engine.core.attention import ATTN_NAME, attention_paths  # importing it registers the engine's attention with transformers
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, Result
 from engine.errors import JobError, OutputError
@@ -31,18 +34,21 @@ from engine.job.prompts import PromptBuilder
 from engine.job.report import JobReport, prefix_summary
 from engine.job.report_render import write_report
 from engine.job.requests import row_verdicts
+from engine.job.timeline import END, LOAD, OTHER, Timeline
 from engine.models.loading import load_model
 from engine.spec.decoder import build_engine
 
 
 class ProgressSink(Protocol):
-    def start(self, total: int | None, done: int) -> None: ...
+    def start(self, total: int | None, done: int, *, estimated: bool = False) -> None:
+        """total: rows this job will have done at the end (None: unknown; estimated: counted only
+        partly, see InputReader.total_estimate); done: rows already in the output."""
     def update(self, report: JobReport, stats) -> None: ...
     def finish(self) -> None: ...
 
 
 class NoProgress:
-    def start(self, total, done):
+    def start(self, total, done, *, estimated=False):
         pass
 
     def update(self, report, stats):
@@ -70,6 +76,8 @@ def load_engine(recipe: Recipe, parallel=None) -> Scheduler:
 
     target = load(recipe.model)
     draft = load(recipe.draft.model) if recipe.draft.method != "none" and recipe.draft.model else None
+    if target.device.type == "cpu" and target.dtype in (torch.float32, torch.bfloat16):
+        cpu_kernels.load()  # compiled once per machine: part of loading, not of the first prefill
     if parallel is None:
         return build_engine(recipe, target, draft)
     target, draft = parallel.shard(target, draft)
@@ -81,7 +89,12 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     of the rows and hands each request to the other tensor-parallel ranks; None = this process alone."""
     progress = progress or NoProgress()
     recipe, reader, output_path, report_path = prepare(options)
-    check_memory(recipe, tp=options.tp)
+    # From here the model: its memory check reads the config (converting a GGUF once on a first run),
+    # then it loads (compiling the CPU kernels once). The time line calls all of it `load`.
+    t0 = time.time()
+    timeline = Timeline(options.process_started or t0)
+    timeline.mark(LOAD, None, 0, force=True)
+    memory_needed = check_memory(recipe, tp=options.tp)
 
     def open_writer() -> OutputWriter:
         return open_output(options, recipe, output_path, reader)
@@ -89,7 +102,6 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     # An existing output is refused (or checked for --resume) before the model loads; --overwrite
     # deletes the old output only once the model has loaded, so a failed load costs nothing.
     writer = None if options.mode == "overwrite" else open_writer()
-    t0 = time.time()
     try:
         engine = load_engine(recipe, parallel)
         target = engine.target_model
@@ -98,45 +110,71 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
             writer.close()
         raise
     writer = writer or open_writer()
+    loaded = time.time()
     report = JobReport(recipe=recipe.name, model=recipe.model, input=str(options.input), output=str(output_path),
                        method=recipe.draft.method, budget=recipe.draft.budget, device=str(target.device),
-                       tp=options.tp, dp=parallel.dp if parallel is not None else 1, load_s=time.time() - t0)
+                       tp=options.tp, dp=parallel.dp if parallel is not None else 1, started=loaded,
+                       load_s=loaded - t0, load_started=t0, process_started=options.process_started or t0,
+                       timeline=timeline.points)
+    timeline.mark(OTHER, engine.stats, 0, force=True)
+
+    def on_phase(phase: str) -> None:  # between two pieces of work: the timeline, and progress when no row finishes
+        if timeline.mark(phase, engine.stats, report.rows_done):
+            progress.update(report, engine.stats)
+
+    engine.on_phase = on_phase
     decoder = engine.decoder
     if decoder.draft_forward is not None:
         report.draft_gemms = decoder.draft_forward.gemm_dtype
+    report.dtype = str(target.dtype).removeprefix("torch.")
+    report.attention = attention_paths(target.device, engine.target.cache.k.dtype)
     report.rows_resumed = len(writer.done_ids)
     report.resumed_failed = writer.done_errors
     report.kv_cache_bytes = engine.target.cache.nbytes + decoder.cache_bytes
+    report.memory_check_bytes = memory_needed
     if target.tokenizer is None:
         raise JobError(f"model {recipe.model} has no tokenizer (random weights): time it with `magicdec bench`")
     builder = PromptBuilder(recipe.prompt, target.tokenizer, max_prompt_len=engine.max_len)
-    total = reader.total if options.limit is None else min(options.limit, reader.total or options.limit)
+    total, estimated = reader.total, False
+    if total is None:
+        total, estimated = reader.total_estimate, True
+    if options.limit is not None:
+        total = min(options.limit, total) if total is not None else options.limit
     keep_row, skip_ids = (parallel.keeps_row, parallel.skip_ids) if parallel is not None else (None, frozenset())
     if parallel is not None and total is not None:
         total = parallel.share_of(total)  # this data-parallel group's rows
     with writer:
         try:
-            progress.start(total, report.rows_resumed)
-            report.sample(engine.stats)
+            progress.start(total, report.rows_resumed, estimated=estimated and total is not None)
             requests = _requests(reader, recipe, builder, engine.max_len, writer, report, options.limit,
                                  keep_row, skip_ids | writer.done_ids)
             if parallel is not None:
                 requests = parallel.publish(requests)  # the other tensor-parallel ranks get each one too
-            last_sample = time.time()
             for result in engine.run(requests):
                 _write_result(writer, report, result)
                 progress.update(report, engine.stats)
-                if time.time() - last_sample > 1.0:
-                    report.sample(engine.stats)
-                    last_sample = time.time()
-            report.sample(engine.stats)
         finally:
             progress.finish()
+    timeline.mark(END, engine.stats, report.rows_done, force=True)
+    report.kv_touched_bytes = kv_touched_bytes(engine)
     report.prefix_reuse = prefix_summary(engine.decoder.prefill_targets[0].store)
     summary = report.to_dict(engine.stats)
     summary["job"]["input_rows_total"] = reader.total
     save_report(summary, report_path)
     return JobOutcome(summary, report_path, output_path, report.exit_code, job_report=report, stats=engine.stats)
+
+
+def kv_touched_bytes(engine: Scheduler) -> int:
+    """How much of the KV allocation rows used: the target's and a separate draft's caches up to each
+    slot's most committed positions, plus a compact draft store (counted whole: every slot refreshes it)."""
+    decoder = engine.decoder
+    total = engine.target.cache.touched_bytes
+    if getattr(decoder, "separate_draft", False):
+        total += decoder.draft.cache.touched_bytes
+    compressor = getattr(decoder, "compressor", None)
+    if compressor is not None and compressor.compact is not None:
+        total += compressor.compact.nbytes
+    return total
 
 
 def _requests(reader: InputReader, recipe: Recipe, builder: PromptBuilder, max_len: int, writer: OutputWriter,
@@ -152,6 +190,7 @@ def _requests(reader: InputReader, recipe: Recipe, builder: PromptBuilder, max_l
         elif verdict.error is not None:
             _write_error(writer, report, verdict, recipe)
         else:
+            verdict.request.enqueued_at = time.perf_counter()  # read now: queueing starts
             yield verdict.request
 
 
@@ -187,3 +226,4 @@ def _write_result(writer: OutputWriter, report: JobReport, result: Result) -> No
         report.rows_ok += 1
         report.latencies.append(result.latency_s)
         report.first_token.append(result.first_token_s)
+        report.queue.append(result.queue_s)

@@ -18,7 +18,7 @@ from engine.job.io.input import InputReader, open_input
 from engine.job.io.output import id_key
 from engine.job.io.paths import existing_shards, shard_path, side_path  # noqa: F401 (shard names live there)
 from engine.job.options import JobOptions, check_outputs, open_output  # noqa: F401
-from engine.job.report import merge_prefix_summaries
+from engine.job.report import merge_prefix_summaries, time_parts
 
 
 def remove_shard(shard: Path) -> None:
@@ -128,6 +128,17 @@ def merge_stats(parts: list):
     return merged
 
 
+def _slowest_group_time(summaries: list[dict], total: float) -> dict:
+    """The groups ran at the same time, so their parts cannot add up: the time line shows the parts
+    of the group that took longest, and `other` the rest of this process's total (waiting, merging)."""
+    index = max(range(len(summaries)), key=lambda i: summaries[i]["time"]["total_s"])
+    group = summaries[index]["time"]
+    times = time_parts(total=total, startup=group["startup_s"], load=group["load_s"],
+                       prefill=group["prefill_s"], decode=group["decode_s"])
+    times["note"] = f"data parallel: the parts of the slowest group, dp{index}; the groups ran side by side"
+    return times
+
+
 def merge_reports(parts: list[tuple[dict, Any, Any]], output: Path, settled: Settled,
                   dropped: list[dict]) -> tuple[dict, int]:
     """The job's report from each group's (summary, JobReport, EngineStats); returns (report, exit code).
@@ -143,8 +154,9 @@ def merge_reports(parts: list[tuple[dict, Any, Any]], output: Path, settled: Set
         load_s=max(r.load_s for r in reports), rows_ok=sum(r.rows_ok for r in reports),
         rows_failed=sum(r.rows_failed for r in reports), rows_resumed=settled.rows,
         resumed_failed=settled.failed, latencies=[x for r in reports for x in r.latencies],
-        first_token=[x for r in reports for x in r.first_token], timeline=[],
-        kv_cache_bytes=sum(r.kv_cache_bytes for r in reports), extra={},
+        first_token=[x for r in reports for x in r.first_token], queue=[x for r in reports for x in r.queue],
+        timeline=[], kv_cache_bytes=sum(r.kv_cache_bytes for r in reports),
+        kv_touched_bytes=sum(r.kv_touched_bytes for r in reports), extra={},
         prefix_reuse=merge_prefix_summaries([r.prefix_reuse for r in reports]))
     duplicates = [d for r in reports for d in r.extra.get("duplicate_ids", [])]
     for row in dropped:
@@ -157,6 +169,7 @@ def merge_reports(parts: list[tuple[dict, Any, Any]], output: Path, settled: Set
     summary = merged.to_dict(merge_stats([stats for _, _, stats in parts]))
     summary["job"]["input_rows_total"] = summaries[0]["job"].get("input_rows_total")
     summary["memory"]["peak_bytes"] = max(s["memory"]["peak_bytes"] for s in summaries)  # per process
+    summary["time"] = _slowest_group_time(summaries, summary["time"]["total_s"])
     summary["data_parallel"] = {
         "groups": [{k: v for k, v in s.items() if k != "timeline"} for s in summaries],
         "rows_per_group": [s["job"]["rows_this_run"] for s in summaries],

@@ -2,8 +2,8 @@
 
 Reads the input as a stream (memory stays flat however many rows), and gives each row the verdict
 `magicdec run` would (`engine.job.requests`, the same code: malformed lines, bad OpenAI batch
-requests, missing template fields, prompts that cannot fit a slot, duplicate ids), tokenising with
-the real tokenizer. Only the tokenizer is loaded.
+requests, bad per-row sampling values, missing template fields, prompts that cannot fit a slot,
+duplicate ids), tokenising with the real tokenizer. Only the tokenizer is loaded.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """GGUF files, de-quantised once (about 20 s for the default model) into a safetensors copy under the
-cache folder, which reloads in about a second. This module converts; `registry` decides when.
+cache folder, which reloads in about a second. The conversion is announced as a step
+(`engine.steps`: a line when it starts, one with its time). This module converts; `registry` decides when.
 """
 
 from __future__ import annotations
@@ -7,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -17,6 +17,7 @@ import torch
 from engine.cache_dir import cache_root, file_lock
 from engine.errors import JobError
 from engine.models.quiet import one_line, quiet_transformers
+from engine.steps import step, waiting
 
 
 def converted_gguf_folder(gguf: Path) -> Path:
@@ -27,13 +28,15 @@ def converted_gguf_folder(gguf: Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(folder.with_suffix(".lock")):
+    with file_lock(folder.with_suffix(".lock"), on_wait=waiting(f"converting {gguf.name} into {folder}")):
         if (folder / "config.json").is_file():  # another process converted it meanwhile
             return folder
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            _convert_gguf(gguf, tmp)
+            with step(f"converting the model once: {gguf.name} into {folder} (about 20 s for the default model)",
+                      f"converted {gguf.name}"):
+                _convert_gguf(gguf, tmp)
             os.replace(tmp, folder)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -49,7 +52,6 @@ def _devnull():
 def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logging.getLogger(__name__).info("converting %s once into %s", gguf, out)
     # The GGUF loader draws its own progress bar and DeepSpeed (imported on the way) warns about the
     # accelerator: noise for a one-off step. Failures still raise; MAGICDEC_DEBUG=1 shows it all. The
     # sink is never closed: DeepSpeed's logger keeps the stream it was imported under.

@@ -19,6 +19,7 @@ import torch
 from engine.config.schema import Recipe, round_scratch, slot_capacity
 from engine.core.prefix_store import PrefixStore
 from engine.core.runner import ModelRunner
+from engine.core.sampling import BatchSampling
 from engine.core.scheduler import PrefillTarget, RoundRecord, Scheduler
 from engine.core.sequence import Sequence
 from engine.core.stats import EngineStats
@@ -48,7 +49,7 @@ class SpeculativeDecoder:
             self.compressor = COMPRESSORS[method](recipe.draft, draft.cache, draft.heads)
             self.draft_forward = draft_forward_for(recipe.draft.linear_dtype, draft, self.compressor,
                                                    extra=round_scratch(recipe), self_speculation=draft is target)
-        self.rounds = RoundRunner(target, draft, self.compressor, recipe.sampling, stats, sync, self.draft_forward)
+        self.rounds = RoundRunner(target, draft, self.compressor, stats, sync, self.draft_forward)
         self.policy = GammaPolicy(recipe.spec.gamma, recipe.spec.gamma_max, recipe.spec.replan_every,
                                   speculative=draft is not None)
         self.agree = agree or (lambda value: value)
@@ -62,7 +63,7 @@ class SpeculativeDecoder:
     def start(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         if self.compressor is not None:
             self.stats.select_s += self.compressor.timer.take()
-        first, _ = self.rounds.choose(logits, seqs)
+        first, _ = self.rounds.choose(logits, BatchSampling.of(seqs, logits.device))
         for seq, token in zip(seqs, first.tolist()):
             seq.extend([token])
             if self.separate_draft:  # see RoundRunner: a separate draft recomputes its newest position

@@ -4,8 +4,10 @@ Drafting runs gamma batched forwards of the draft (the target's own weights read
 view of the target cache, or a separate model reading a view of its own cache); verification is one
 target forward of the pending token plus the drafts. Each row then keeps its own accepted prefix
 and the target's next token, both caches are cut back to what that row committed, and the row's own
-stopping rules cut the emitted tokens (so one row's EOS never stops another). gamma = 0 is plain
-decoding through the very same path. Scheduling and prefill live in `engine.core`; the decoder that
+stopping rules cut the emitted tokens (so one row's EOS never stops another). Every row drafts and
+verifies under its own sampling parameters (`BatchSampling`: greedy rows by argmax and matching,
+sampled rows with their own warping of q and p). gamma = 0 is plain decoding through the very same
+path. Scheduling and prefill live in `engine.core`; the decoder that
 chooses gamma and drives these rounds is `engine.spec.decoder`.
 """
 
@@ -16,18 +18,17 @@ import time
 import torch
 
 from engine.core.attention import ForwardBatch
-from engine.config.schema import SamplingConfig
 from engine.spec.compressors.base import Compressor
 from engine.core.runner import ModelRunner
-from engine.core.sampling import sample_rows, warp
+from engine.core.sampling import BatchSampling
 from engine.core.sequence import Sequence
 from engine.core.stats import EngineStats
-from engine.spec.verification import verify_greedy, verify_sampling
+from engine.spec.verification import verify_rows
 
 
 class RoundRunner:
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, compressor: Compressor | None,
-                 sampling: SamplingConfig, stats: EngineStats, sync=None, draft_forward=None):
+                 stats: EngineStats, sync=None, draft_forward=None):
         """draft_forward: the draft step (with a draft), (tokens [B, T], ForwardBatch) -> last-token
         logits [B, vocab]: `engine.draft_forward`."""
         self.target = target
@@ -35,16 +36,14 @@ class RoundRunner:
         self.draft_forward = draft_forward
         self.compressor = compressor
         self.self_speculation = draft is target
-        self.sampling = sampling
         self.stats = stats
         self.sync = sync or (lambda t: t)  # tensor parallel: make every rank use rank 0's tokens
 
-    def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Next tokens from logits [B, vocab]: argmax, or a sample (also returning the probs)."""
-        if self.sampling.greedy:
-            return self.sync(logits.argmax(dim=-1)), None
-        probs = warp(logits, self.sampling)
-        return self.sync(sample_rows(probs, [s.generator for s in seqs])), probs
+    def choose(self, logits: torch.Tensor, sampling: BatchSampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next tokens [B] from logits [B, vocab], each row under its own parameters, and the sampled
+        rows' probs [B, vocab] (None when every row is greedy)."""
+        tokens, probs = sampling.choose(logits)
+        return self.sync(tokens), probs
 
     def run(self, seqs: list[Sequence], gamma: int) -> tuple[float, float, float, list[int]]:
         """Advance every row by one round; returns (draft seconds, verify seconds, seconds of the
@@ -54,9 +53,10 @@ class RoundRunner:
         slots = [s.slot for s in seqs]
         lengths = [cache.lengths[slot] for slot in slots]  # committed positions before the round
         pending = torch.tensor([s.pending_token for s in seqs], dtype=torch.long, device=device)  # [B]
+        sampling = BatchSampling.of(seqs, device)
 
         t0 = time.perf_counter()
-        drafts, draft_probs = self._draft(seqs, slots, lengths, pending, gamma) if gamma else ([], [])
+        drafts, draft_probs = self._draft(seqs, slots, lengths, pending, gamma, sampling) if gamma else ([], [])
         self._wait(device)
         t1 = time.perf_counter()
 
@@ -69,12 +69,8 @@ class RoundRunner:
         batch = ForwardBatch(cache, slots, lengths, gamma + 1, mass=mass)
         logits = self.target.forward(tokens, batch)  # [B, gamma + 1, vocab]
         draft_tokens = tokens[:, 1:]  # [B, gamma]
-        if self.sampling.greedy:
-            accepted, next_token = verify_greedy(logits, draft_tokens)
-        else:
-            q = torch.stack(draft_probs, dim=1) if gamma else logits.new_zeros(len(seqs), 0, logits.shape[-1])
-            accepted, next_token = verify_sampling(warp(logits, self.sampling), q, draft_tokens,
-                                                   [s.generator for s in seqs])
+        q = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, gamma, vocab]
+        accepted, next_token = verify_rows(logits, q, draft_tokens, sampling)
         accepted, next_token = self.sync(accepted), self.sync(next_token)
         self._wait(device)
         t2 = time.perf_counter()
@@ -118,7 +114,7 @@ class RoundRunner:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def _draft(self, seqs, slots, lengths, pending, gamma):
+    def _draft(self, seqs, slots, lengths, pending, gamma, sampling: BatchSampling):
         """gamma draft tokens per row: lists of [B] tokens and (when sampling) [B, vocab] probs."""
         assert self.draft is not None and self.compressor is not None, "speculation needs a draft"
         device = pending.device
@@ -143,7 +139,7 @@ class RoundRunner:
             else:
                 batch = ForwardBatch(self.draft.cache, slots, starts, width, view=self.compressor.view(slots, ends))
                 logits = self.draft_forward(current, batch)  # [B, vocab]
-            token, p = self.choose(logits, seqs)
+            token, p = self.choose(logits, sampling)
             drafts.append(token)
             if p is not None:
                 probs.append(p)

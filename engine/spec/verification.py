@@ -4,15 +4,17 @@ Both take the target's scores for all gamma + 1 positions of a round (the pendin
 the gamma draft tokens) and return, per row, how many draft tokens are accepted and the token the
 target contributes after them (its correction at the first rejection, or the bonus token after a
 full accept). With gamma = 0 this is plain decoding. Rejection sampling makes the emitted tokens
-distributed exactly as the target's (Leviathan et al. 2023; Chen et al. 2023). Pure tensor
-functions: no models, caches or stopping rules here.
+distributed exactly as the target's (Leviathan et al. 2023; Chen et al. 2023). `verify_rows` verifies
+a batch whose rows have their own parameters: greedy rows by matching, each group of sampled rows by
+rejection sampling with its own warping of the target's logits (the drafts' q was warped the same
+way when they were drawn). Pure tensor functions: no models, caches or stopping rules here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.core.sampling import sample_rows, uniform_rows
+from engine.core.sampling import BatchSampling, sample_rows, uniform_rows, warp
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,4 +64,32 @@ def verify_sampling(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft
         final = final.clone()
         final[rows] = residual
     next_token = sample_rows(final, generators)
+    return accepted, next_token
+
+
+def verify_rows(target_logits: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor,
+                sampling: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify every row under its own parameters.
+
+    target_logits: [B, gamma + 1, vocab]; draft_probs: [B, gamma, vocab], each sampled row's q as its
+    draft tokens were drawn (warped with that row's parameters; greedy rows' entries are unused), or
+    None when every row is greedy; draft_tokens: [B, gamma]. Returns accepted [B] and next_token [B].
+    """
+    if sampling.all_greedy:
+        return verify_greedy(target_logits, draft_tokens)
+    B, gamma = draft_tokens.shape
+    if draft_probs is None:  # gamma = 0: nothing was drafted
+        draft_probs = target_logits.new_zeros(B, 0, target_logits.shape[-1], dtype=torch.float32)
+    first = sampling.groups[0]
+    if first.rows is None:  # one warping for the whole batch
+        return verify_sampling(warp(target_logits, first.params), draft_probs, draft_tokens, first.generators)
+    accepted = torch.zeros(B, dtype=torch.long, device=draft_tokens.device)
+    next_token = torch.zeros(B, dtype=torch.long, device=draft_tokens.device)
+    if sampling.greedy_rows is not None:
+        rows = sampling.greedy_rows
+        accepted[rows], next_token[rows] = verify_greedy(target_logits[rows], draft_tokens[rows])
+    for group in sampling.groups:
+        rows = group.rows
+        accepted[rows], next_token[rows] = verify_sampling(warp(target_logits[rows], group.params),
+                                                           draft_probs[rows], draft_tokens[rows], group.generators)
     return accepted, next_token

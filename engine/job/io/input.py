@@ -2,13 +2,17 @@
 
 `open_input` checks the file (exists, readable, the format its name says) without reading it all;
 iterating the `InputReader` streams `InputRow`s in file order, a bad JSONL line becoming an error row
-instead of stopping the job. Rows are plain dicts: nothing here knows recipes, prompts or models.
+instead of stopping the job. `InputReader.total` is the row count: Parquet's metadata, or for JSONL
+a streaming count of its rows, done once and only for `COUNT_BUDGET_S` seconds (past that, an
+estimate from the bytes read, so a progress bar still has a total). Rows are plain dicts: nothing
+here knows recipes, prompts or models.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +27,9 @@ from engine.job.io.common import extension, kind, one_line
 INPUT_FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".jsonl.gz": "jsonl"}
 PARQUET_BATCH_ROWS = 64  # input rows decoded at a time; long-context rows are large
 _GZIP_MAGIC = b"\x1f\x8b"
+COUNT_BUDGET_S = 2.0  # seconds a JSONL row count may take; past it the count is an estimate
+COUNT_CHECK_BYTES = 1 << 20  # the clock is looked at after every MiB of lines read
+_counts: dict[tuple, tuple[int | None, int | None]] = {}  # (path, size, mtime) -> (total, estimate)
 
 
 @dataclass
@@ -45,7 +52,23 @@ class InputReader:
     def __init__(self, path: Path, format: str, total: int | None):
         self.path = path
         self.format = format  # "parquet" | "jsonl"
-        self.total = total  # row count when the file says so cheaply (Parquet), else None
+        self._counted = (total, total) if total is not None else None  # (exact total, estimate)
+
+    @property
+    def total(self) -> int | None:
+        """The number of rows: Parquet's metadata; JSONL's rows counted (once, within COUNT_BUDGET_S
+        seconds); None when the count did not finish in time."""
+        return self._count()[0]
+
+    @property
+    def total_estimate(self) -> int | None:
+        """`total` when known, else the rows counted scaled by the share of the file read (None if none)."""
+        return self._count()[1]
+
+    def _count(self) -> tuple[int | None, int | None]:
+        if self._counted is None:
+            self._counted = count_jsonl_rows(self.path)
+        return self._counted
 
     def __iter__(self) -> Iterator[InputRow]:
         return self._parquet_rows() if self.format == "parquet" else self._jsonl_rows()
@@ -76,6 +99,44 @@ class InputReader:
                         index += 1
         except (OSError, EOFError, zlib.error) as exc:
             raise JobError(f"{self.path}: unreadable after row {index}: {one_line(exc)}") from None
+
+
+def count_jsonl_rows(path: Path, budget_s: float | None = None) -> tuple[int | None, int | None]:
+    """(rows, estimate) of a .jsonl / .jsonl.gz file, counted as iteration counts them (blank lines are
+    not rows). Stops after `budget_s` seconds (default COUNT_BUDGET_S): then rows is None and the
+    estimate scales the rows counted by the file's size over the (compressed) bytes read so far.
+    An unreadable stretch ends the count the same way; iterating reports it."""
+    budget_s = COUNT_BUDGET_S if budget_s is None else budget_s
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, budget_s)
+    if key in _counts:
+        return _counts[key]
+    deadline = time.monotonic() + budget_s
+    rows, finished, unchecked = 0, False, 0
+    with open(path, "rb") as raw:
+        lines = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.lower().endswith(".gz") else raw
+        try:
+            for line_no, line in enumerate(lines, 1):
+                if line_no == 1:
+                    line = line.removeprefix(b"\xef\xbb\xbf")
+                if line.strip():
+                    rows += 1
+                unchecked += len(line)
+                if unchecked >= COUNT_CHECK_BYTES:
+                    unchecked = 0
+                    if time.monotonic() > deadline:
+                        break
+            else:
+                finished = True
+        except (OSError, EOFError, zlib.error):
+            pass
+        read = raw.tell()
+    if finished:
+        result = (rows, rows)
+    else:
+        result = (None, round(rows * stat.st_size / read) if rows and read else None)
+    _counts[key] = result
+    return result
 
 
 def _parse_line(raw: bytes, line_no: int) -> tuple[dict | None, str | None]:
