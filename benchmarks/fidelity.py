@@ -38,6 +38,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from engine.core import attention  # noqa: F401  (registers attn_implementation="magicdec")
     from engine.models.loading import load_model
 
     torch.set_num_threads(2)
