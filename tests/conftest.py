@@ -69,3 +69,15 @@ def hf_greedy(reference, prompt: list[int], max_new: int, eos: int | None = 2) -
         out = reference.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
                                  eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
     return out[0, len(prompt):].tolist()
+
+
+def random_cache(*, layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int, seed: int = 0):
+    """A float32 CPU KVCache whose every K/V entry is a standard normal draw (seeded)."""
+    from engine.core.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(layers=layers, slots=slots, kv_heads=kv_heads, head_dim=head_dim, capacity=capacity,
+                    dtype=torch.float32, device="cpu")
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    return cache

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from conftest import random_cache
+
 from engine.config.schema import DraftConfig
-from engine.core.kv_cache import KVCache
 from engine.spec.compressors.pqcache import PQCache, kmeans, nearest
 from engine.spec.compressors.snapkv import SnapKV
 from engine.spec.compressors.streamingllm import StreamingLLM
@@ -17,12 +18,7 @@ LAYERS, SLOTS, KV_HEADS, HEADS, D = 2, 3, 2, 4, 8
 
 
 def filled_cache(capacity=400, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    cache = KVCache(layers=LAYERS, slots=SLOTS, kv_heads=KV_HEADS, head_dim=D, capacity=capacity,
-                    dtype=torch.float32, device="cpu")
-    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
-    return cache
+    return random_cache(layers=LAYERS, slots=SLOTS, kv_heads=KV_HEADS, head_dim=D, capacity=capacity, seed=seed)
 
 
 def view_sets(view, layer, query, B):

@@ -18,11 +18,12 @@ import math
 import pytest
 import torch
 
+from conftest import random_cache
+
 from engine.config.loading import recipe_from_dict
 from engine.config.schema import DraftConfig
 from engine.core import kernels as cpu_kernels
 from engine.core.attention import ForwardBatch, attend_full
-from engine.core.kv_cache import KVCache
 from engine.errors import JobError
 from engine.spec.compressors.guided import Guided
 
@@ -31,12 +32,8 @@ GROUP = HEADS // KV_HEADS
 
 
 def filled_cache(capacity=400, seed=0, head_dim=D, layers=LAYERS):
-    g = torch.Generator().manual_seed(seed)
-    cache = KVCache(layers=layers, slots=SLOTS, kv_heads=KV_HEADS, head_dim=head_dim, capacity=capacity,
-                    dtype=torch.float32, device="cpu")
-    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
-    return cache
+    return random_cache(layers=layers, slots=SLOTS, kv_heads=KV_HEADS, head_dim=head_dim, capacity=capacity,
+                        seed=seed)
 
 
 # ----------------------------------------------------------------------------- the mass
