@@ -177,8 +177,11 @@ STEP_LINE = re.compile(r"magicdec: (converting the model once: .+|converted .+ i
 def test_first_run_on_an_empty_model_cache_names_its_steps_and_keeps_stdout_pure_json(tmp_path):
     # Converting the packaged GGUF imports DeepSpeed through transformers, whose logger writes to the
     # stdout of its import time: a fresh process with a fresh cache is the only honest way to see it.
+    # The kernels are left out (MAGICDEC_CPU_KERNEL=0): compiling them again into this fresh cache would
+    # cost the suite ~90 s on 2 cores, and their build announces itself through the same `step` lines
+    # (tests/test_progress.py checks how those render).
     data = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
-    env = {**os.environ, "MAGICDEC_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "MAGICDEC_CACHE": str(tmp_path / "cache"), "MAGICDEC_CPU_KERNEL": "0"}
     env.pop("DS_ACCELERATOR", None)
     done = subprocess.run([sys.executable, "-m", "magicdec_cli.main", "run", "generic", "--input", str(data),
                            "--output", str(tmp_path / "out.jsonl"), *FAST[:-1], "--json"],
@@ -190,9 +193,7 @@ def test_first_run_on_an_empty_model_cache_names_its_steps_and_keeps_stdout_pure
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert all(STEP_LINE.match(line) for line in lines), done.stderr
     steps = [line.split(":")[1].split()[0] for line in lines if "waiting for" not in line]
-    assert steps[:2] == ["converting", "converted"], done.stderr
-    if kernels.compiler_available():
-        assert steps[2:] == ["compiling", "compiled"], done.stderr
+    assert steps == ["converting", "converted"], done.stderr
 
 
 @pytest.mark.real_model

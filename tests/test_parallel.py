@@ -3,7 +3,7 @@
 The fast tests check the pieces without a model or processes: the rank grid, shard files, folding and
 merging outputs, merged reports, the supervisor, and the one-line refusals. The slow ones run the real
 default model in 2 CPU processes through the CLI: `--tp 2` gives the very text `--tp 1` gives (plain,
-StreamingLLM, SnapKV), `--dp 2` the same rows as `--dp 1`, and a rank killed mid-job ends the job
+StreamingLLM, SnapKV, guided), `--dp 2` the same rows as `--dp 1`, and a rank killed mid-job ends the job
 non-zero with its finished rows kept, which `--resume` completes.
 """
 
@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from engine.job import shards
 from engine.scale import launch as launching
+from engine.scale import shm_allreduce
 from engine.scale import topology
 from engine.config.loading import load_recipe
 from engine.errors import JobError
@@ -353,10 +354,14 @@ def single_process(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.real_model
-@pytest.mark.parametrize("method", ["none", "streamingllm", "snapkv"])
+@pytest.mark.parametrize("method", ["none", "streamingllm", "snapkv", "guided"])
 def test_tp2_greedy_output_is_identical_to_one_process(tmp_path, single_process, method):
     data = write_jsonl(tmp_path / "in.jsonl", ROWS)
     out = tmp_path / "tp2.jsonl"
+    # A killed build's leftover: torch's builder would wait on it forever inside init_distributed.
+    stale = shm_allreduce.extensions_dir() / shm_allreduce.OP_NAME / "lock"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.touch()
     result = magicdec("generic", "-i", data, "-o", out, "--tp", "2", "--set", f"draft.method={method}", *JOB, "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)  # stdout holds exactly one JSON object, DeepSpeed's chatter is kept off it
@@ -364,6 +369,7 @@ def test_tp2_greedy_output_is_identical_to_one_process(tmp_path, single_process,
     if method != "none":
         assert summary["speculative"]["draft_tokens"] > 0
     assert texts_by_id(out) == single_process(method)
+    assert not stale.exists(), "the stale build lock was cleared"
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import sys
 from typing import Any, Iterable, Iterator
 
 from engine.errors import JobError
+from engine.scale import shm_allreduce
 from engine.scale.topology import Topology, local_processes
 
 CONTROL_TIMEOUT = datetime.timedelta(days=7)  # job-level waits: one group may finish hours before another
@@ -71,6 +72,8 @@ class Group:
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")  # no guessing
         if topo.tp > 1:
             with _deepspeed() as deepspeed:
+                if device.type == "cpu":
+                    shm_allreduce.prepare(deepspeed)  # never waits on a killed build's lock file
                 deepspeed.init_distributed(dist_backend=backend)
         else:
             dist.init_process_group(backend)

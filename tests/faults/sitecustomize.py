@@ -45,8 +45,8 @@ if DIE_AFTER and os.environ.get("RANK", "0") not in ("", "0"):
         def __init__(self, inner):
             self.inner = inner
 
-        def start(self, total, done):
-            self.inner.start(total, done)
+        def start(self, total, done, **kwargs):
+            self.inner.start(total, done, **kwargs)
 
         def update(self, report, stats):
             self.inner.update(report, stats)

@@ -1,0 +1,58 @@
+"""DeepSpeed's shared-memory all-reduce for CPU tensor parallelism, built once into magicdec's cache.
+
+`deepspeed.init_distributed` on a CPU compiles this op (`deepspeed_shm_comm`) with torch's extension
+builder the first time, and that builder waits, without limit, while a `lock` file from an earlier
+build exists in the build folder: a rank killed mid-build (Ctrl-C, a test's timeout) leaves one behind,
+and every later tensor-parallel job then hangs at start-up, silently. `prepare()` runs before
+`init_distributed` on every rank: it points the builder at magicdec's cache (unless the user set
+TORCH_EXTENSIONS_DIR), and under magicdec's own file lock removes a stale `lock` and builds or loads
+the op. DeepSpeed keeps the loaded op per process, so its own load inside `init_distributed` touches
+no lock file. This module does not decide whether the op is used (engine/scale/group.py does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from engine.cache_dir import cache_root, file_lock
+from engine.steps import step, waiting
+
+OP_NAME = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME, the build folder's name
+log = logging.getLogger(__name__)
+
+
+def extensions_dir() -> Path:
+    """Where torch builds DeepSpeed's ops for magicdec (the user's TORCH_EXTENSIONS_DIR wins)."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_root() / "torch_extensions")
+
+
+def prepare(deepspeed) -> None:
+    """Build (first time) or load the shm all-reduce op in this process; a failure is left to DeepSpeed.
+
+    deepspeed: the imported module (engine/scale/group.py imports it with its output redirected)."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return  # not a CPU accelerator, or an op DeepSpeed will not use here
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir())  # torch's builder reads it
+    build_dir = extensions_dir() / builder.name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with file_lock(build_dir.parent / f"{builder.name}.build.lock",
+                   on_wait=waiting(f"to finish with DeepSpeed's shared-memory all-reduce in {build_dir}")):
+        # Holding our lock, no magicdec process is inside torch's builder for this folder: a `lock`
+        # file now is a killed build's leftover.
+        (build_dir / "lock").unlink(missing_ok=True)
+        built = any(build_dir.glob(f"{builder.name}*.so"))
+        try:
+            if built:
+                builder.load(verbose=False)
+            else:
+                with step(f"compiling DeepSpeed's shared-memory all-reduce once into {build_dir}",
+                          "compiled DeepSpeed's shared-memory all-reduce"):
+                    builder.load(verbose=False)
+        except Exception as exc:  # noqa: BLE001 - DeepSpeed retries and reports in init_distributed
+            log.warning("DeepSpeed's shared-memory all-reduce did not build: %s",
+                        str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
