@@ -36,6 +36,7 @@ def load_w16_emulation():
 
     csrc = cpu_kernels.SOURCES[0].parent
     key = hashlib.sha256(W16_SOURCE.read_bytes() + (csrc / "cpu_prefill.cpp").read_bytes()
+                         + (csrc / "vector_math.h").read_bytes()
                          + cpu_kernels.cpu_flags().encode()).hexdigest()[:12]
     build = cache_root() / "torch_extensions" / f"magicdec_prefill_w16_{key}"
     build.mkdir(parents=True, exist_ok=True)

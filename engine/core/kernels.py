@@ -26,6 +26,7 @@ from engine.steps import step, waiting
 
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_draft_ops.cpp", "cpu_guided.cpp")]
+HEADERS = [Path(__file__).with_name("csrc") / "vector_math.h"]  # included by the sources, copied beside them
 REQUIRE_ENV = "MAGICDEC_REQUIRE_KERNEL"  # "1": a failed build raises instead of falling back to torch
 _state: dict[str, object] = {}
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def _build():
     import torch
     from torch.utils.cpp_extension import load as load_extension
 
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"magicdec_cpu_attention_{key}"
     build_dir = cache_root() / "torch_extensions" / name
@@ -81,11 +82,12 @@ def _build():
         # Build from copies inside the (content-keyed) folder: two checkouts with the same sources at
         # different paths then share one build instead of rebuilding it for each other.
         sources = []
-        for path in SOURCES:
+        for path in SOURCES + HEADERS:
             copy = build_dir / path.name
             if not copy.is_file() or copy.read_bytes() != path.read_bytes():
                 copy.write_bytes(path.read_bytes())
-            sources.append(str(copy))
+            if path in SOURCES:
+                sources.append(str(copy))
         with contextlib.ExitStack() as announced:
             if not (build_dir / f"{name}.so").is_file():  # else torch only loads what was built before
                 announced.enter_context(step(f"compiling the fused CPU kernels once into {build_dir} "

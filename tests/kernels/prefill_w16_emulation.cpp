@@ -6,10 +6,10 @@
 // blocks and padding in multiples of 32, lane masks, one-vector tails of D) is exercised, and what
 // remains untested of the real V16 is its one-line intrinsic wrappers. Not part of the engine.
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
+
+#include "vector_math.h"  // the same 8-lane exponential and reductions cpu_prefill.cpp's policies use
 
 namespace {
 
@@ -43,32 +43,9 @@ struct V16Emulated {
     return make(_mm256_blendv_ps(fill.lo, x.lo, m.lo), _mm256_blendv_ps(fill.hi, x.hi, m.hi));
   }
   static reg keep(mask m, reg x) { return make(_mm256_and_ps(x.lo, m.lo), _mm256_and_ps(x.hi, m.hi)); }
-  static float hmax(reg x) {
-    alignas(32) float t[16];
-    store(t, x);
-    return *std::max_element(t, t + 16);
-  }
-  static float hsum(reg x) {
-    alignas(32) float t[16];
-    store(t, x);
-    float s = 0.0f;
-    for (float v : t) s += v;
-    return s;
-  }
-  static __m256 exp2_8(__m256 x) {  // the same algorithm and coefficients as cpu_prefill.cpp's policies
-    x = _mm256_max_ps(x, _mm256_set1_ps(-125.0f));
-    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.32764e-3f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.67554e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550713e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.2402212f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.69314694f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000001f));
-    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-  }
-  static reg exp2_nonpos(reg x) { return make(exp2_8(x.lo), exp2_8(x.hi)); }
+  static float hmax(reg x) { return magicdec_vec::hmax8(_mm256_max_ps(x.lo, x.hi)); }
+  static float hsum(reg x) { return magicdec_vec::hsum8(x.lo) + magicdec_vec::hsum8(x.hi); }
+  static reg exp2_nonpos(reg x) { return make(magicdec_vec::exp2_nonpos8(x.lo), magicdec_vec::exp2_nonpos8(x.hi)); }
 };
 
 }  // namespace

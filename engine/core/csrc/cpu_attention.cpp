@@ -37,30 +37,15 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#define MAGICDEC_AVX512 1
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#define MAGICDEC_AVX2 1
-#endif
-#if defined(MAGICDEC_AVX512) || defined(MAGICDEC_AVX2)
-#include <immintrin.h>
-#endif
+#include "vector_math.h"  // MAGICDEC_AVX2 / MAGICDEC_AVX512, to_float, load8, hmax8, hsum8, exp2_nonpos8
 
 namespace {
 
+using namespace magicdec_vec;
+
 constexpr int64_t kBlock = 64;    // entries per online-softmax block (a K and a V block fit in L1)
-constexpr float kNoMax = -1e30f;  // finite "minus infinity" (the build uses -ffast-math)
 constexpr int64_t kMaxHeadDim = 256;  // the portable task's stack row; the vector ones stop at 128
 bool g_vector_path = true;        // a vector task where one applies (tests switch it off)
-
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bits) {  // bfloat16: the top half of a float32
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float x;
-  std::memcpy(&x, &wide, sizeof(x));
-  return x;
-}
 
 template <int64_t D, typename E>
 inline float dot(const float* __restrict a, const E* __restrict b, int64_t d_len) {
@@ -212,26 +197,7 @@ constexpr int kScoreRows = 2;    // query rows per score register tile: 2 x 4 ac
 constexpr int kScoreEntries = 4; // entries per score register tile (one 4-way horizontal reduction)
 constexpr int kValueRows = 2;    // query rows per value register tile: 2 x 4 accumulators + 2 p + 1 v
 constexpr int kValueChunks = 4;  // 8-float chunks of D per value register tile (32 dims)
-constexpr float kLog2e = 1.4426950408889634f;  // scores are kept in log2 units: exp(x) = 2^(x log2 e)
-constexpr float kExpFloor = -125.0f;  // 2^x below this is ~0 for softmax; keeps 2^n a normal float
 constexpr int64_t kCacheLine = 64;    // bytes per prefetch
-
-// 2^x for x <= 0 (clamped below at kExpFloor): x = n + f with n = round(x), |f| <= 1/2; 2^f by a
-// degree-5 polynomial (coefficients fitted here for minimal relative error on [-1/2, 1/2]: max
-// relative error 2.3e-7 in float32), 2^n added into the exponent bits.
-inline __m256 exp2_nonpos(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(kExpFloor));
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.32764e-3f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.67554e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550713e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.2402212f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.69314694f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000001f));
-  const __m256i scale = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), scale));
-}
 
 // Keeps x in a register: stops GCC from folding one load into several FMAs' memory operands (each
 // a separate load; with them the loads outnumbered the FMAs and the task ran ~25% slower here).
@@ -241,26 +207,6 @@ inline void pin(__m256& x) {
 #else
   (void)x;
 #endif
-}
-
-inline float hmax(__m256 x) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-inline float hsum(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
 // Lane i of the result = the sum of the 8 lanes of a[i], i < 4.
@@ -451,16 +397,16 @@ void attend_task(const float* __restrict q_in, int64_t R, int64_t T, int64_t end
         if (block_max != nullptr) block_max[r * n_blocks + blk] = row_max[r];
         continue;
       }
-      const float m = std::max(row_max[r], hmax(mx));
+      const float m = std::max(row_max[r], hmax8(mx));
       const __m256 mv = _mm256_set1_ps(m);
       __m256 sum = _mm256_setzero_ps();
       for (int j = 0; j < kBlock / kLanes; ++j) {
-        const __m256 p = _mm256_and_ps(exp2_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + kLanes * j), mv)), visible[j]);
+        const __m256 p = _mm256_and_ps(exp2_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(s + kLanes * j), mv)), visible[j]);
         _mm256_storeu_ps(s + kLanes * j, p);
         sum = _mm256_add_ps(sum, p);
       }
       corr[r] = std::exp2(row_max[r] - m);
-      row_sum[r] = row_sum[r] * corr[r] + hsum(sum);
+      row_sum[r] = row_sum[r] * corr[r] + hsum8(sum);
       row_max[r] = m;
       if (block_max != nullptr) block_max[r * n_blocks + blk] = m;
     }

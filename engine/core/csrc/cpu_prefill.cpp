@@ -35,21 +35,12 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#define MAGICDEC_PREFILL_AVX512 1
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#define MAGICDEC_PREFILL_AVX2 1
-#endif
-#if defined(MAGICDEC_PREFILL_AVX512) || defined(MAGICDEC_PREFILL_AVX2)
-#include <immintrin.h>
-#endif
+#include "vector_math.h"  // MAGICDEC_AVX2 / MAGICDEC_AVX512, to_float, load8, hmax8, hsum8, exp2_nonpos8/16
 
 namespace {
 
-constexpr float kNoMax = -1e30f;              // finite "minus infinity" (the build uses -ffast-math)
-constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = 2^(x log2 e)
-constexpr float kExpFloor = -125.0f;          // 2^x below this is ~0 for softmax; keeps 2^n a normal float
+using namespace magicdec_vec;
+
 constexpr int64_t kMaxHeadDim = 256;          // larger head sizes are rejected (no supported model has
                                               // one; it bounds the per-thread scratch)
 constexpr int64_t kTileRows = 96;             // target query rows per task (96 = 3 heads x 32 tokens:
@@ -60,14 +51,6 @@ constexpr int64_t kKeyAlign = 32;             // key blocks are a multiple of th
 constexpr int64_t kMinKeyBlock = 32, kMaxKeyBlock = 128;  // 2048..8192 floats per block and 48..192
                                               // tile rows measured within noise of these at D = 64, 128
 bool g_vector_path = true;
-
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bits) {  // bfloat16: the top half of a float32
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float x;
-  std::memcpy(&x, &wide, sizeof(x));
-  return x;
-}
 
 // Keys per block for head size D: kKeyBlockFloats / D, a multiple of kKeyAlign in [32, 128].
 inline int64_t key_block(int64_t D) {
@@ -151,13 +134,8 @@ void prefill_task_portable(const Problem& pb, const Task& task) {
   }
 }
 
-#if defined(MAGICDEC_PREFILL_AVX512) || defined(MAGICDEC_PREFILL_AVX2)
-// AVX (256-bit) helpers used by both vector policies to pack K blocks (every AVX-512 CPU has AVX2).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+#if defined(MAGICDEC_AVX512) || defined(MAGICDEC_AVX2)
+// K blocks are packed with the 256-bit helpers by both vector policies (every AVX-512 CPU has AVX2).
 
 // In place: r[j][i] becomes the old r[i][j] (8 x 8 floats).
 inline void transpose8(__m256* r) {
@@ -197,14 +175,10 @@ inline void widen_rows(const uint16_t* src, int64_t count, float* dst) {  // cou
 }
 
 // The vector policies: one register type, its width, and the handful of operations the task uses.
-// exp2_nonpos: 2^x for x <= 0 (clamped below at kExpFloor): x = n + f with n = round(x), |f| <= 1/2;
-// 2^f by a degree-5 polynomial (coefficients fitted for minimal relative error on [-1/2, 1/2]: max
-// relative error 2.3e-7 in float32), 2^n added into the exponent bits.
-constexpr float kExpC5 = 1.32764e-3f, kExpC4 = 9.67554e-3f, kExpC3 = 5.550713e-2f, kExpC2 = 0.2402212f,
-                kExpC1 = 0.69314694f, kExpC0 = 1.0000001f;
+// exp2_nonpos: 2^x for x <= 0 (vector_math.h).
 #endif
 
-#ifdef MAGICDEC_PREFILL_AVX2
+#ifdef MAGICDEC_AVX2
 struct V8 {
   using reg = __m256;
   using mask = __m256;
@@ -226,35 +200,13 @@ struct V8 {
   }
   static reg select(mask m, reg x, reg fill) { return _mm256_blendv_ps(fill, x, m); }
   static reg keep(mask m, reg x) { return _mm256_and_ps(x, m); }
-  static float hmax(reg x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-  }
-  static float hsum(reg x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-  static reg exp2_nonpos(reg x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(kExpFloor));
-    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(kExpC5);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpC4));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpC3));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpC2));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpC1));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpC0));
-    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-  }
+  static float hmax(reg x) { return hmax8(x); }
+  static float hsum(reg x) { return hsum8(x); }
+  static reg exp2_nonpos(reg x) { return exp2_nonpos8(x); }
 };
 #endif
 
-#ifdef MAGICDEC_PREFILL_AVX512
+#ifdef MAGICDEC_AVX512
 struct V16 {
   using reg = __m512;
   using mask = __mmask16;
@@ -278,23 +230,11 @@ struct V16 {
   static reg keep(mask m, reg x) { return _mm512_maskz_mov_ps(m, x); }
   static float hmax(reg x) { return _mm512_reduce_max_ps(x); }
   static float hsum(reg x) { return _mm512_reduce_add_ps(x); }
-  static reg exp2_nonpos(reg x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(kExpC5);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpC4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpC3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpC2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpC1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpC0));
-    const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
-  }
+  static reg exp2_nonpos(reg x) { return exp2_nonpos16(x); }
 };
 #endif
 
-#if defined(MAGICDEC_PREFILL_AVX512) || defined(MAGICDEC_PREFILL_AVX2)
+#if defined(MAGICDEC_AVX512) || defined(MAGICDEC_AVX2)
 constexpr int kRows = 6;  // query rows per register tile: 6 x 2 accumulators + 2 loads + 1 broadcast
                           // = 15 of AVX2's 16 registers
 
@@ -455,10 +395,10 @@ void run_task(const Problem& pb, const Task& task) {
     if (pb.D % MAGICDEC_PREFILL_TEST_POLICY::W == 0)
       return prefill_task_vector<MAGICDEC_PREFILL_TEST_POLICY, E>(pb, task);
 #endif
-#ifdef MAGICDEC_PREFILL_AVX512
+#ifdef MAGICDEC_AVX512
     if (pb.D % V16::W == 0) return prefill_task_vector<V16, E>(pb, task);
 #endif
-#ifdef MAGICDEC_PREFILL_AVX2
+#ifdef MAGICDEC_AVX2
     if (pb.D % V8::W == 0) return prefill_task_vector<V8, E>(pb, task);
 #endif
   }
@@ -556,7 +496,7 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor k_layer, torc
 // Whether prefill tasks may take a vector implementation; returns whether one is compiled in.
 bool prefill_use_vector_path(bool enabled) {
   g_vector_path = enabled;
-#if defined(MAGICDEC_PREFILL_AVX512) || defined(MAGICDEC_PREFILL_AVX2)
+#if defined(MAGICDEC_AVX512) || defined(MAGICDEC_AVX2)
   return true;
 #else
   return false;
