@@ -25,6 +25,7 @@ import typer.core
 from engine.config.schema import DEFAULT_MODEL
 from engine.errors import JobError, OutputError
 from engine.job.timeline import process_started
+from magicdec_cli import IMPORTED_AT
 from magicdec_cli.console import Out
 
 
@@ -121,7 +122,7 @@ def run(
     options = JobOptions(recipe=recipe, input=str(input), output=str(output) if output else None,
                          report=str(report) if report else None, overrides=overrides,
                          mode="resume" if resume else "overwrite" if overwrite else "new", limit=limit, tp=tp,
-                         process_started=process_started())
+                         process_started=process_started(IMPORTED_AT))
     from engine.scale import launch as launching
 
     # SIGTERM (a scheduler, or the launcher stopping the other ranks) stops a job like Ctrl-C does: the

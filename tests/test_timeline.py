@@ -18,7 +18,7 @@ from engine.core.sequence import Request
 from engine.core.stats import EngineStats
 from engine.job.report import JobReport, time_parts
 from engine.job.report_render import plot_series, render_markdown, rounded_parts, summary_rows
-from engine.job.timeline import Timeline, intervals, process_started
+from engine.job.timeline import EXEC_GAP_S, Timeline, intervals, process_started
 from engine.spec.decoder import build_engine
 
 
@@ -101,6 +101,14 @@ def test_process_start_is_before_now_and_after_boot():
     started = process_started()
     assert started <= time.time()
     assert time.time() - started < 10 * 24 * 3600
+
+
+def test_a_process_that_became_magicdec_by_exec_long_after_its_fork_starts_at_the_import():
+    # `sh -c "scripts/setup && magicdec run ..."` execs magicdec in the shell's process: its fork
+    # time is then the shell's, and the set-up's minutes must not count as magicdec's start-up.
+    forked = process_started()
+    assert process_started(forked + EXEC_GAP_S + 5) == forked + EXEC_GAP_S + 5
+    assert process_started(forked + 1.0) == pytest.approx(forked, abs=0.05), "a normal start keeps the fork time"
 
 
 # ------------------------------------------------------------------ the engine's hooks

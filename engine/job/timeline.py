@@ -23,21 +23,29 @@ CLOCK_S = 1.0  # a point at least this often while work goes on
 MIN_GAP_S = 0.1  # phase changes closer than this to the last point are not recorded on their own
 MAX_POINTS = 3600  # an hour at one point per second; beyond it the clock halves its rate
 
+EXEC_GAP_S = 10.0  # Python's init before the first import never takes this long: a bigger gap was a shell
 LOAD, OTHER, END = "load", "other", "end"  # the job's own phases (the scheduler adds prefill and decode)
 
 
-def process_started() -> float:
+def process_started(imported_at: float | None = None) -> float:
     """time.time() at which this process started: Linux's /proc/self/stat (its start in clock ticks
-    since boot, against CLOCK_BOOTTIME), so interpreter start-up and imports count; else now."""
+    since boot, against CLOCK_BOOTTIME), so interpreter start-up and imports count; else now.
+
+    imported_at: when the caller's first module was imported. That start is the process's fork, and
+    a shell runs the last command of `sh -c "setup && magicdec run ..."` (or of a `( ... )` subshell)
+    by exec in its own process, so the fork can be minutes before magicdec began. When it is more
+    than EXEC_GAP_S before imported_at, imported_at is the start (only Python's own init is missed).
+    """
     try:
         stat = Path("/proc/self/stat").read_text()
         ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
         if age >= 0:
-            return time.time() - age
+            forked = time.time() - age
+            return imported_at if imported_at is not None and imported_at - forked > EXEC_GAP_S else forked
     except (OSError, ValueError, IndexError, AttributeError):
         pass
-    return time.time()
+    return imported_at if imported_at is not None else time.time()
 
 
 class Timeline:

@@ -1,4 +1,4 @@
-"""GGUF files, de-quantised once (about 20 s for the default model) into a safetensors copy under the
+"""GGUF files, de-quantised once (about 30 s for the default model) into a safetensors copy under the
 cache folder, which reloads in about a second. The conversion is announced as a step
 (`engine.steps`: a line when it starts, one with its time). This module converts; `registry` decides when.
 """
@@ -34,7 +34,7 @@ def converted_gguf_folder(gguf: Path) -> Path:
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            with step(f"converting the model once: {gguf.name} into {folder} (about 20 s for the default model)",
+            with step(f"converting the model once: {gguf.name} into {folder} (about 30 s for the default model)",
                       f"converted {gguf.name}"):
                 _convert_gguf(gguf, tmp)
             os.replace(tmp, folder)
