@@ -29,7 +29,7 @@ from engine.bench.prompts import bench_prompts  # noqa: E402
 from engine.config.schema import DEFAULT_MODEL  # noqa: E402
 from engine.models.loading import load_tokenizer  # noqa: E402
 
-METHODS = ("none", "streamingllm")
+METHODS = ("none", "streamingllm")  # the default --methods
 
 
 def cli(*args: str) -> list[str]:
@@ -37,7 +37,7 @@ def cli(*args: str) -> list[str]:
 
 
 def run_job(method: str, data: Path, out: Path, args) -> dict:
-    output = out / f"run-{method}.jsonl"
+    output = out / f"run-{method}-{time.strftime('%H%M%S')}.jsonl"
     command = cli("run", "generic", "--input", str(data), "--output", str(output), "--overwrite", "--json",
                   "--set", f"draft.method={method}", "--set", f"draft.budget={args.budget}",
                   "--set", f"batch.size={args.batch}", "--set", f"sampling.max_new_tokens={args.new_tokens}")
@@ -50,14 +50,14 @@ def run_job(method: str, data: Path, out: Path, args) -> dict:
 
 def run_bench(out: Path, args) -> dict[str, dict]:
     folder = out / f"bench-{time.strftime('%H%M%S')}"
-    command = cli("bench", "--batch", str(args.batch), "--context", str(args.context), "--methods", ",".join(METHODS),
+    command = cli("bench", "--batch", str(args.batch), "--context", str(args.context), "--methods", ",".join(args.methods),
                   "--budget", str(args.budget), "--gamma", "auto", "--new-tokens", str(args.new_tokens), "--no-hf",
                   "--prompts", str(args.prompts), "--out", str(folder))
     subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
     rows = json.loads((folder / "bench.json").read_text())["rows"]
     found = {}
     for row in rows:
-        if row["method"] in METHODS and row["method"] not in found:
+        if row["method"] in args.methods and row["method"] not in found:
             found[row["method"]] = {"command": command, "decode_tokens_per_s": row["decode_tokens_per_s"],
                                     "mean_gamma": row.get("mean_gamma"), "acceptance": row.get("acceptance_rate")}
     return found
@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--methods", type=lambda text: tuple(text.split(",")), default=METHODS,
+                        help="comma-separated, e.g. none,streamingllm")
     parser.add_argument("--prompts", type=Path, default=ROOT / "sample_data" / "long.jsonl")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -88,17 +90,17 @@ def main() -> None:
         got: dict[str, dict] = {}
         for side in order:
             if side == "run":
-                got["run"] = {method: run_job(method, data, args.out, args) for method in METHODS}
+                got["run"] = {method: run_job(method, data, args.out, args) for method in args.methods}
             else:
                 got["bench"] = run_bench(args.out, args)
         repeats.append({"started": started, "order": order, **got})
-        for method in METHODS:
+        for method in args.methods:
             b, r = got["bench"][method]["decode_tokens_per_s"], got["run"][method]["decode_tokens_per_s"]
             print(f"repeat {repeat + 1} ({' then '.join(order)}) {method}: bench {b:.1f} tok/s, run {r:.1f} tok/s, "
                   f"bench/run {b / r:.3f}", flush=True)
 
     summary = {}
-    for method in METHODS:
+    for method in args.methods:
         bench = sum(rep["bench"][method]["decode_tokens_per_s"] for rep in repeats) / len(repeats)
         run = sum(rep["run"][method]["decode_tokens_per_s"] for rep in repeats) / len(repeats)
         summary[method] = {"bench_mean": bench, "run_mean": run, "bench_over_run": bench / run}

@@ -52,6 +52,22 @@ def test_auto_decodes_plainly_when_drafting_costs_too_much():
     assert set(later) <= {0, GammaPolicy.PROBE_GAMMA} and GammaPolicy.PROBE_GAMMA in later  # ...with cheap probes
 
 
+def test_a_gamma_chosen_on_an_extrapolated_verify_time_is_replanned_once_measured():
+    # T_V(0) = T_V(1): the line through them says verification is free, so the first plan takes
+    # gamma_max; its first round measures T_V(8) at 4.2 T_T, and the very next round replans.
+    policy = GammaPolicy("auto", gamma_max=8, replan_every=16, speculative=True)
+    verify = lambda g: 1.0 if g <= 1 else 1.0 + 0.4 * g  # noqa: E731
+    chosen = []
+    for _ in range(6):
+        g = policy.next_gamma()
+        chosen.append(g)
+        policy.observe(gamma=g, rows=8, draft_s=g * 0.1, verify_s=verify(g), accepted=[min(g, round(0.8 * g))] * 8)
+    assert chosen[:3] == [0, GammaPolicy.PROBE_GAMMA, 8]
+    assert chosen[3] < 8, chosen
+    measured = [best_gamma(policy.alpha, 0.1, policy.verify_time, 1.0, 8)[0]]
+    assert chosen[-1] in measured + [0, GammaPolicy.PROBE_GAMMA], chosen
+
+
 def test_fixed_gamma_and_plain_method():
     assert drive(GammaPolicy(3, 8, 16, speculative=True), 1, 0.1, 0.1, 0.8, 5) == [3] * 5
     assert drive(GammaPolicy("auto", 8, 16, speculative=False), 1, 0.1, 0.1, 0.8, 5) == [0] * 5

@@ -68,6 +68,7 @@ class GammaPolicy:
         self.trials = _Ema(0.05)  # accepts + rejections per round-row
         self.rounds = 0
         self.planned_at: int | None = None
+        self.extrapolated = False  # whether the current plan's T_V(current) was extrapolated
         self.current = 0 if self.fixed is None else self.fixed
         self.predicted_speedup = 1.0
 
@@ -95,9 +96,14 @@ class GammaPolicy:
         if self.t_draft.value is None:
             return self.PROBE_GAMMA
         since = self.rounds - self.planned_at if self.planned_at is not None else None
-        if since is None or since >= self.replan_every:
+        # A plan that rested on an extrapolated T_V(g) is redone as soon as that g has been measured
+        # once: a line through T_V(0) and T_V(1) alone can put g far off, and a short job would
+        # otherwise spend most of its rounds there before the next periodic replan.
+        measured_now = self.extrapolated and self.current in self.t_verify
+        if since is None or since >= self.replan_every or measured_now:
             self.current, self.predicted_speedup = self.plan()
             self.planned_at, since = self.rounds, 0
+            self.extrapolated = self.current not in self.t_verify
         if self.replan_every >= 2 and since == self.replan_every // 2:
             # Once per period, the other choice: a plain round refreshes T_T while speculating, a
             # gamma-1 round refreshes T_D, T_V and the acceptance while decoding plainly (cheap
