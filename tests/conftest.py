@@ -81,3 +81,38 @@ def random_cache(*, layers: int, slots: int, kv_heads: int, head_dim: int, capac
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     return cache
+
+
+def window_attention_scores(queries, keys, prompt_len: int, window: int) -> list[list[float]]:
+    """Brute force (loops): per KV head, each position's softmax probability summed over the prompt's
+    last `window` queries (causal) and the KV head's group of query heads: SnapKV's observation score.
+
+    queries: [heads, window, D]; keys: [kv_heads, >= prompt_len, D]. Returns [kv_heads][prompt_len]."""
+    import math
+
+    heads, kv_heads, head_dim = queries.shape[0], keys.shape[0], keys.shape[-1]
+    group = heads // kv_heads
+    scores = []
+    for h in range(kv_heads):
+        score = [0.0] * prompt_len
+        for qh in range(h * group, (h + 1) * group):
+            for w in range(window):
+                qpos = prompt_len - window + w
+                logits = [float(queries[qh, w] @ keys[h, j]) / math.sqrt(head_dim) for j in range(qpos + 1)]
+                top = max(logits)
+                exps = [math.exp(x - top) for x in logits]
+                total = sum(exps)
+                for j, e in enumerate(exps):
+                    score[j] += e / total
+        scores.append(score)
+    return scores
+
+
+def pooled(row: list[float], kernel: int, pooling: str = "avgpool") -> list[float]:
+    """`row` pooled over `kernel` neighbours (centred; positions outside count as 0 for the average)."""
+    pad = kernel // 2
+    out = []
+    for j in range(len(row)):
+        around = [row[i] for i in range(j - pad, j + pad + 1) if 0 <= i < len(row)]
+        out.append(max(around) if pooling == "maxpool" else sum(around) / kernel)
+    return out

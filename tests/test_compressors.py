@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from conftest import random_cache
+from conftest import pooled, random_cache, window_attention_scores
 
 from engine.config.schema import DraftConfig
 from engine.spec.compressors.pqcache import PQCache, kmeans, nearest
@@ -58,35 +56,11 @@ def test_streamingllm_keeps_sinks_and_the_newest(budget, sink):
 # ----------------------------------------------------------------------------- SnapKV
 
 def snapkv_reference(queries, keys, prompt_len, window, kernel, pooling):
-    """Loops: softmax of each window query (causal), summed over window and group heads, pooled.
-
-    Returns the pooled score of every candidate position, per KV head.
+    """Loops: softmax of each window query (causal), summed over window and group heads, pooled over
+    the positions before the window. Returns the pooled score of every candidate position, per KV head.
     """
-    heads = queries.shape[0]
-    group = heads // KV_HEADS
-    kept = []
-    for h in range(KV_HEADS):
-        score = [0.0] * prompt_len
-        for qh in range(h * group, (h + 1) * group):
-            for w in range(window):
-                qpos = prompt_len - window + w
-                logits = [float(queries[qh, w] @ keys[h, j]) / math.sqrt(D) for j in range(qpos + 1)]
-                top = max(logits)
-                exps = [math.exp(x - top) for x in logits]
-                total = sum(exps)
-                for j, e in enumerate(exps):
-                    score[j] += e / total
-        region = score[: prompt_len - window]
-        pad = kernel // 2
-        pooled = []
-        for j in range(len(region)):
-            around = [region[i] if 0 <= i < len(region) else None for i in range(j - pad, j + pad + 1)]
-            if pooling == "maxpool":
-                pooled.append(max(x for x in around if x is not None))
-            else:
-                pooled.append(sum(x for x in around if x is not None) / kernel)
-        kept.append(pooled)
-    return kept
+    return [pooled(score[: prompt_len - window], kernel, pooling)
+            for score in window_attention_scores(queries, keys, prompt_len, window)]
 
 
 def is_top(chosen: set[int], scores: list[float], keep: int) -> bool:

@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from conftest import random_cache
+from conftest import pooled, random_cache, window_attention_scores
 
 from engine.config.loading import recipe_from_dict
 from engine.config.schema import DraftConfig
@@ -142,21 +142,7 @@ def check_view(method, slot, L, scores, ends=None):
 
 def snapkv_scores(queries, keys, prompt_len, window, kernel):
     """SnapKV's window scores (loops), average-pooled: the guided view's scores at prefill."""
-    kept = []
-    for h in range(KV_HEADS):
-        score = [0.0] * prompt_len
-        for qh in range(h * GROUP, (h + 1) * GROUP):
-            for w in range(window):
-                qpos = prompt_len - window + w
-                logits = [float(queries[qh, w] @ keys[h, j]) / math.sqrt(D) for j in range(qpos + 1)]
-                top = max(logits)
-                exps = [math.exp(x - top) for x in logits]
-                for j, e in enumerate(exps):
-                    score[j] += e / sum(exps)
-        pad = kernel // 2
-        kept.append([sum(score[i] for i in range(j - pad, j + pad + 1) if 0 <= i < prompt_len) / kernel
-                     for j in range(prompt_len)])
-    return torch.tensor(kept)  # [kv_heads, prompt_len]
+    return torch.tensor([pooled(score, kernel) for score in window_attention_scores(queries, keys, prompt_len, window)])
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.5])
