@@ -91,15 +91,17 @@ class RoundRunner:
             if self.compressor is not None and not seq.finished:
                 self.compressor.committed(seq.slot, self.draft.cache.lengths[seq.slot])
                 going.append(b)
+        select_s = 0.0
         if mass is not None:
+            t3 = time.perf_counter()
             committed = [cache.lengths[slots[b]] for b in going]
             # The next round's first draft forward reads the view up to the pending token, at `committed`.
             self.compressor.observe_mass(mass, going, [slots[b] for b in going], [n + 1 for n in committed],
                                          committed, gamma + 1)
-        t3 = time.perf_counter()
+            select_s = time.perf_counter() - t3
         self.stats.record_round(gamma=gamma, rows=len(seqs), accepted=accepted_list if gamma else [],
                                 emitted=emitted)
-        draft_s, verify_s, select_s = t1 - t0, t2 - t1, (t3 - t2 if mass is not None else 0.0)
+        draft_s, verify_s = t1 - t0, t2 - t1
         self.stats.draft_s += draft_s
         self.stats.verify_s += verify_s
         if self.compressor is not None:
