@@ -12,6 +12,7 @@ no lock file. This module does not decide whether the op is used (engine/scale/g
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -37,22 +38,21 @@ def prepare(deepspeed) -> None:
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return  # not a CPU accelerator, or an op DeepSpeed will not use here
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir())  # torch's builder reads it
-    build_dir = extensions_dir() / builder.name
+    root = extensions_dir()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(root)  # torch's builder reads it
+    build_dir = root / builder.name
     build_dir.mkdir(parents=True, exist_ok=True)
     with file_lock(build_dir.parent / f"{builder.name}.build.lock",
                    on_wait=waiting(f"to finish with DeepSpeed's shared-memory all-reduce in {build_dir}")):
         # Holding our lock, no magicdec process is inside torch's builder for this folder: a `lock`
         # file now is a killed build's leftover.
         (build_dir / "lock").unlink(missing_ok=True)
-        built = any(build_dir.glob(f"{builder.name}*.so"))
+        announced = contextlib.nullcontext() if any(build_dir.glob(f"{builder.name}*.so")) else step(
+            f"compiling DeepSpeed's shared-memory all-reduce once into {build_dir}",
+            "compiled DeepSpeed's shared-memory all-reduce")  # else torch only loads the earlier build
         try:
-            if built:
+            with announced:
                 builder.load(verbose=False)
-            else:
-                with step(f"compiling DeepSpeed's shared-memory all-reduce once into {build_dir}",
-                          "compiled DeepSpeed's shared-memory all-reduce"):
-                    builder.load(verbose=False)
         except Exception as exc:  # noqa: BLE001 - DeepSpeed retries and reports in init_distributed
             log.warning("DeepSpeed's shared-memory all-reduce did not build: %s",
                         str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
