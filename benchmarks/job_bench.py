@@ -5,7 +5,8 @@ What users pay is the whole job (prefill + decode), so this is the benchmark beh
 figures in BENCHMARKS.md: prefill tokens/s, decode tokens/s, wall time (load excluded), prefix reuse,
 acceptance. A config is `label=checkout:set1,set2,...` where checkout is a folder holding a magicdec
 checkout (its own `engine/` is imported: e.g. a `git worktree` of an older commit) and each set is a
-`--set KEY=VALUE`. Example (the prefill issue's table):
+`--set KEY=VALUE`, or `env.NAME=VALUE` for an environment variable of that job (e.g.
+`env.MAGICDEC_SHARED_READS=0`). Example (the prefill issue's table):
 
     .venv/bin/python benchmarks/job_bench.py --recipe generic --input sample_data/long.jsonl \\
         --common sampling.max_new_tokens=96,batch.size=16 \\
@@ -44,11 +45,15 @@ def run_config(label: str, checkout: Path, sets: list[str], args, out: Path) -> 
     output = out / f"{label}.jsonl"
     command = [sys.executable, "-m", "magicdec_cli.main", "run", args.recipe, "--input", str(Path(args.input).resolve()),
                "--output", str(output.resolve()), "--overwrite", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(checkout.resolve())}
     for item in [*args.common, *sets]:
-        command += ["--set", item]
+        if item.startswith("env."):
+            name, _, value = item[len("env."):].partition("=")
+            env[name] = value
+        else:
+            command += ["--set", item]
     started = time.time()
-    result = subprocess.run(command, cwd=checkout, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(checkout.resolve())})
+    result = subprocess.run(command, cwd=checkout, capture_output=True, text=True, env=env)
     if result.returncode not in (0, 1):
         raise SystemExit(f"{label}: exit {result.returncode}: {result.stderr.strip()[-2000:]}")
     report = json.loads(result.stdout)

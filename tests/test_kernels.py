@@ -191,6 +191,64 @@ def test_attend_entries(kernels, path, dtype, D, T):
         close(out[b], ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [16, 40, 64, 128])
+@pytest.mark.parametrize("T", [1, 5])
+def test_attend_cached_shared_is_attend_cached_bit_for_bit(kernels, path, dtype, D, T):
+    """Rows grouped by a prefix their slots hold alike: the same output bits as one task per row
+    (groups of 3 and 2, a group whose own parts differ in length, and rows in no group)."""
+    KVH, group, capacity = 2, 3, 400
+    k, v = make_cache(7, KVH, capacity, D, dtype)
+    slots = torch.tensor([6, 0, 3, 5, 1, 2, 4])
+    ends = torch.tensor([200, 140 + T, 331, 129 + T, 200, 64 + T, 90])
+    # the prefix of batch rows 0, 2, 4 (slots 6, 3, 1): 128 positions copied from slot 6; rows 1, 3
+    # (slots 0, 5): 128 copied from slot 0; rows 5 and 6 share nothing
+    for src, dst in ((6, 3), (6, 1), (0, 5)):
+        k[dst, :, :128], v[dst, :, :128] = k[src, :, :128], v[src, :, :128]
+    members = torch.tensor([0, 2, 4, 1, 3, 5, 6])
+    offsets = torch.tensor([0, 3, 5, 6, 7])
+    shared = torch.tensor([128, 128, 0, 0])
+    q = make_query(len(slots), KVH, group, T, D)
+    out = kernels.attend_cached_shared(q, k, v, slots, ends, T, members, offsets, shared)
+    assert torch.equal(out, kernels.attend_cached(q, k, v, slots, ends, T))
+    for b, (slot, end) in enumerate(zip(slots.tolist(), ends.tolist())):  # and right, not only alike
+        pos = torch.arange(end).expand(KVH, end)
+        ref, _ = reference_rows(q[b], k[slot, :, :end], v[slot, :, :end], pos, torch.ones_like(pos, dtype=torch.bool),
+                                end, T)
+        close(out[b], ref)
+
+
+def test_attend_cached_shared_reads_the_first_members_prefix(kernels):
+    """Where the group task applies it really reads the shared blocks from the group's first slot:
+    a second member whose own copy is garbage still gets the right answer."""
+    if not kernels.shares_prefix_reads(64):
+        pytest.skip("this CPU's kernel serves head size 64 with a task that reads every row (AVX-512)")
+    KVH, T = 1, 1
+    k, v = make_cache(2, KVH, 256, 64, torch.float32)
+    k[1, :, :192], v[1, :, :192] = k[0, :, :192], v[0, :, :192]
+    slots, ends = torch.tensor([0, 1]), torch.tensor([200, 230])
+    q = make_query(2, KVH, 3, T, 64)
+    right = kernels.attend_cached(q, k, v, slots, ends, T)
+    k[1, :, :192] = float("nan")
+    v[1, :, :192] = float("nan")
+    out = kernels.attend_cached_shared(q, k, v, slots, ends, T, torch.tensor([0, 1]), torch.tensor([0, 2]),
+                                       torch.tensor([192]))
+    assert torch.equal(out, right)
+
+
+def test_attend_cached_shared_rejects_bad_groups(kernels):
+    k, v = make_cache(2, 1, 256, 16, torch.float32)
+    q = make_query(2, 1, 2, 1, 16)
+    slots, ends = torch.tensor([0, 1]), torch.tensor([100, 100])
+    for members, offsets, shared, why in (([0, 1], [0, 2], [32], "multiples of 64"),
+                                          ([0, 1], [0, 2], [128], "precede"),
+                                          ([0, 0], [0, 2], [64], "once"),
+                                          ([0, 1], [0, 1], [64], "offsets")):
+        with pytest.raises(RuntimeError, match=why):
+            kernels.attend_cached_shared(q, k, v, slots, ends, 1, torch.tensor(members), torch.tensor(offsets),
+                                         torch.tensor(shared))
+
+
 # --------------------------------------------------------------------------------------------------
 # Chunked prefill: prefill_attention over packed segments.
 

@@ -10,7 +10,9 @@ transformers forwards untouched to this function.
 Backends (all held against `reference_attention` in the tests):
 - `attend_cached_fused`: CPU, float32 or bfloat16 K/V (float32 arithmetic), up to `FUSED_MAX_NEW` new
   tokens (decode, verify): the C++ kernel of `engine/core/csrc`, one pass over each row's K/V with an
-  online softmax (AVX-512, AVX2 or portable tasks, as compiled for this CPU).
+  online softmax (AVX-512, AVX2 or portable tasks, as compiled for this CPU). Rows whose slots hold
+  the same prompt-prefix K/V (prefix reuse; `engine.core.shared_prefix`) read it once per group
+  (`attend_cached_shared`, the same output bits).
 - `attend_cached_torch`: any device; per row, the query heads of a GQA group are folded into the
   query axis so one matmul reads that group's K/V straight from the cache (no copy, no repeat).
 - `attend_cached_flash`: CUDA with flash-attn installed, `flash_attn_with_kvcache` with per-row
@@ -34,6 +36,7 @@ from typing import Protocol
 import torch
 
 from engine.core import kernels as cpu_kernels
+from engine.core import shared_prefix
 from engine.core.kv_cache import KVCache
 from engine.core.prefill_attention import PrefillBatch, attend_prefill
 
@@ -89,6 +92,22 @@ class ForwardBatch:
         if self.mass is not None:
             assert self.view is None, "attention mass comes from a forward over the whole cache"
             assert self.mass.shape[-1] >= max(self.ends), "the mass buffer must cover every row's positions"
+        self._groups: shared_prefix.PrefixGroups | None | bool = False  # False: not asked yet
+
+    def prefix_groups(self) -> shared_prefix.PrefixGroups | None:
+        """This forward's rows grouped by the prefix K/V they hold alike (None: no two rows share
+        any); asked once per forward, which is then counted in the cache's read tallies."""
+        if self._groups is False:
+            cache = self.cache
+            origins = [cache.origins[slot] for slot in self.slots]
+            self._groups = None
+            if shared_prefix.enabled() and sum(1 for o in origins if o) >= 2:
+                self._groups = shared_prefix.group_rows(origins, cache.origin_block, self.starts, self.ends,
+                                                        cache.device)
+            cache.positions_read += sum(self.ends)
+            if self._groups is not None:
+                cache.positions_shared += self._groups.positions_saved
+        return self._groups
 
 
 def magicdec_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
@@ -125,6 +144,8 @@ def attend_full(query: torch.Tensor, layer: int, batch: ForwardBatch, scale: flo
     if mass is None and flash_attn_with_kvcache is not None and query.is_cuda:
         return attend_cached_flash(query, k_layer, v_layer, batch, scale)
     if _fused_ok(query, cache) and (kernel := cpu_kernels.load()) is not None:
+        if mass is None and kernel.shares_prefix_reads(cache.head_dim) and (groups := batch.prefix_groups()):
+            return attend_cached_fused(kernel, query, k_layer, v_layer, batch, scale, groups=groups)
         return attend_cached_fused(kernel, query, k_layer, v_layer, batch, scale, mass=mass)
     return attend_cached_torch(query, k_layer, v_layer, batch, scale, mass=mass)
 
@@ -166,11 +187,13 @@ def _fused_ok(query: torch.Tensor, cache: KVCache) -> bool:
 
 def attend_cached_fused(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
                         batch: ForwardBatch, scale: float, positions: torch.Tensor | None = None,
-                        valid: torch.Tensor | None = None, mass: torch.Tensor | None = None) -> torch.Tensor:
+                        valid: torch.Tensor | None = None, mass: torch.Tensor | None = None,
+                        groups: shared_prefix.PrefixGroups | None = None) -> torch.Tensor:
     """The fused C++ kernel, over the whole cached prefix or over listed positions ([B, kv_heads, N]).
 
     Same contract as `attend_cached_torch` / `attend_view`: returns [B, T, heads, D]. mass (whole
     prefix only): [B, kv_heads, N] filled from the kernel's `attend_cached_scores`, the same pass.
+    groups (whole prefix only): rows that read their shared prefix once per group.
     """
     B, H, T, D = query.shape
     kv_heads = k_layer.shape[1]
@@ -179,6 +202,9 @@ def attend_cached_fused(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_la
     if mass is not None:
         out, scores = kernel.attend_cached_scores(q, k_layer, v_layer, batch.slot_tensor, ends, T, mass.shape[-1])
         mass.copy_(scores)  # scores: [B, kv_heads, N]
+    elif groups is not None:
+        out = kernel.attend_cached_shared(q, k_layer, v_layer, batch.slot_tensor, ends, T, groups.members,
+                                          groups.offsets, groups.shared)
     elif positions is None:
         out = kernel.attend_cached(q, k_layer, v_layer, batch.slot_tensor, ends, T)
     else:

@@ -5,7 +5,9 @@ keys for one layer and KV head are a contiguous `[capacity, head_dim]` block tha
 without copying. `lengths[slot]` is how many positions of that slot are committed; anything past it
 is scratch that the next forward overwrites (speculative tokens, rejected drafts). Emptying, refilling
 and rolling back a slot only changes its length: nothing is reallocated or concatenated after
-construction. This module stores; it does not attend or decide what a draft may see.
+construction. `origins[slot]` says where a slot's first positions came from (the prefix store's block
+serials, `engine.core.shared_prefix`), so rows holding the same bits can be read once. This module
+stores; it does not attend or decide what a draft may see.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, capacity, head_dim]
         self.lengths = [0] * slots  # committed positions per slot
         self.high_water = [0] * slots  # the most positions each slot ever had committed
+        # per slot: serials of the prefix-store blocks its first origin_block-token blocks were copied
+        # from or into (those positions hold the store's bits); () for none
+        self.origins: list[tuple[int, ...]] = [()] * slots
+        self.origin_block = 0
+        # full-cache forwards' K/V positions (per layer and KV head, summed over rows), and of those
+        # the ones a row did not read itself because its group read them once (engine.core.shared_prefix)
+        self.positions_read = 0
+        self.positions_shared = 0
 
     @staticmethod
     def bytes_needed(*, layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int,
@@ -53,12 +63,21 @@ class KVCache:
     def clear(self, slot: int) -> None:
         """Empty a slot for a new sequence."""
         self.lengths[slot] = 0
+        self.set_origin(slot, (), 0)
+
+    def set_origin(self, slot: int, serials: tuple[int, ...], block: int) -> None:
+        """Record that the slot's first len(serials) x block positions hold those store blocks' K/V."""
+        if serials or self.origins[slot]:
+            self.origins[slot] = tuple(serials)
+            self.origin_block = block or self.origin_block
 
     def set_length(self, slot: int, length: int) -> None:
         """Commit (or roll back to) `length` positions of a slot; positions past it become scratch."""
         if not 0 <= length <= self.capacity:
             raise ValueError(f"slot {slot}: length {length} outside [0, {self.capacity}]")
         self.lengths[slot] = length
+        if self.origins[slot] and length < len(self.origins[slot]) * self.origin_block:
+            self.set_origin(slot, self.origins[slot][: length // self.origin_block], self.origin_block)
         if length > self.high_water[slot]:
             self.high_water[slot] = length
 

@@ -60,6 +60,7 @@ class RowPrefill:
     slot: int
     prompt_ids: list[int]
     reused: int = 0  # prompt tokens copied from the prefix store
+    origin: list[int] = dataclasses.field(default_factory=list)  # serials of the store blocks its first blocks hold
     logits: torch.Tensor | None = None  # [vocab] of the prompt's last position
     window: QueryWindow | None = None
 
@@ -84,6 +85,7 @@ def prefill_rows(runner: ModelRunner, rows: list[RowPrefill], chunk: int, listen
             if row.reused:
                 store.stats.hits += 1
                 store.load(cache, row.slot, blocks, row.reused)
+            row.origin = [block.serial for block in blocks[: row.reused // store.block]]
     for pack in _packs(rows, chunk):
         if on_chunk is not None:
             on_chunk()
@@ -98,7 +100,10 @@ def prefill_rows(runner: ModelRunner, rows: list[RowPrefill], chunk: int, listen
         n = len(row.prompt_ids)
         cache.set_length(row.slot, n)
         if store is not None:
-            store.insert(cache, row.slot, row.prompt_ids)
+            written = store.insert(cache, row.slot, row.prompt_ids)
+            while len(row.origin) in written:  # blocks the store now holds from this very slot
+                row.origin.append(written[len(row.origin)])
+            cache.set_origin(row.slot, tuple(row.origin), store.block)
         if listener is not None:
             listener.prefill_done(row.slot, n, row.window.queries if row.window is not None else None)
 

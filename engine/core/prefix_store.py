@@ -30,6 +30,7 @@ class _Block:
     index: int  # its row in the pool
     tokens: tuple[int, ...]  # checked on every match (the chain key is a hash)
     parent: int | None  # the chain key of the block before it
+    serial: int  # unique per block ever stored: which bits a slot copied (engine.core.shared_prefix)
 
 
 @dataclasses.dataclass
@@ -57,6 +58,7 @@ class PrefixStore:
         self.blocks: collections.OrderedDict[int, _Block] = collections.OrderedDict()  # chain key -> block, LRU first
         self.free = list(range(self.max_blocks - 1, -1, -1))
         self.stats = StoreStats()
+        self.serials = 0  # blocks stored so far
 
     @classmethod
     def for_cache(cls, cache: KVCache, *, block: int, capacity: int) -> "PrefixStore":
@@ -120,8 +122,10 @@ class PrefixStore:
             cache.v[:, slot, :, start:start + n] = self.v[block.index, :, :, :n]
         self.stats.tokens_reused += length
 
-    def insert(self, cache: KVCache, slot: int, ids: list[int]) -> None:
-        """Keep every full block of `ids` (cached in `slot` at positions 0..len-1) not yet stored."""
+    def insert(self, cache: KVCache, slot: int, ids: list[int]) -> dict[int, int]:
+        """Keep every full block of `ids` (cached in `slot` at positions 0..len-1) not yet stored;
+        returns {block number in ids: serial} of the blocks copied from the slot."""
+        written = {}
         chain = list(self._chain(ids, len(ids) // self.block))
         for i, (key, parent, tokens) in enumerate(chain):
             block = self.blocks.get(key)
@@ -135,11 +139,14 @@ class PrefixStore:
             self.v[index] = cache.v[:, slot, :, start:start + self.block]
             if block is not None:  # a hash collision with other tokens: replace it
                 self.free.append(block.index)
-            self.blocks[key] = _Block(index, tokens, parent)
+            self.serials += 1
+            self.blocks[key] = _Block(index, tokens, parent, self.serials)
+            written[i] = self.serials
         for key, _, _ in reversed(chain):
             if key in self.blocks:
                 self.blocks.move_to_end(key)
         self.stats.peak_blocks = max(self.stats.peak_blocks, len(self.blocks))
+        return written
 
     def _allocate(self, protect: set[int]) -> int | None:
         if self.free:

@@ -118,15 +118,21 @@ def time_parts(*, total: float, startup: float, load: float, prefill: float, dec
             "overlap": "none"}
 
 
-def prefix_summary(store) -> dict[str, Any]:
-    """The prefix store's counters (an engine.core.prefix_store.PrefixStore, or None with reuse off)."""
+def prefix_summary(store, cache=None) -> dict[str, Any]:
+    """The prefix store's counters (an engine.core.prefix_store.PrefixStore, or None with reuse off),
+    and how much of the full-cache forwards' K/V reading its rows shared (the target's KVCache)."""
     if store is None:
         return {"enabled": False}
     st = store.stats
+    read = cache.positions_read if cache is not None else 0
+    shared = cache.positions_shared if cache is not None else 0
     return {"enabled": True, "block_tokens": store.block, "capacity_tokens": store.max_blocks * store.block,
             "lookups": st.lookups, "hits": st.hits, "hit_rate": st.hits / st.lookups if st.lookups else 0.0,
             "tokens_reused": st.tokens_reused, "peak_tokens": st.peak_blocks * store.block,
-            "peak_bytes": st.peak_blocks * store.block * store.bytes_per_token}
+            "peak_bytes": st.peak_blocks * store.block * store.bytes_per_token,
+            # decode / verify K/V positions (summed over rows) and those read once for a group instead
+            "decode_positions_read": read, "decode_positions_shared": shared,
+            "decode_reads_shared": shared / read if read else 0.0}
 
 
 def merge_prefix_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -134,9 +140,12 @@ def merge_prefix_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:
     if not parts or not parts[0].get("enabled"):
         return {"enabled": False}
     merged = dict(parts[0])
-    for key in ("lookups", "hits", "tokens_reused", "peak_tokens", "peak_bytes", "capacity_tokens"):
-        merged[key] = sum(p[key] for p in parts)
+    for key in ("lookups", "hits", "tokens_reused", "peak_tokens", "peak_bytes", "capacity_tokens",
+                "decode_positions_read", "decode_positions_shared"):
+        merged[key] = sum(p.get(key, 0) for p in parts)
     merged["hit_rate"] = merged["hits"] / merged["lookups"] if merged["lookups"] else 0.0
+    read = merged["decode_positions_read"]
+    merged["decode_reads_shared"] = merged["decode_positions_shared"] / read if read else 0.0
     return merged
 
 

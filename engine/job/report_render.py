@@ -124,7 +124,9 @@ def _prefix_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         return []
     return [("prefix reuse", f"{reuse['tokens_reused']} prompt tokens reused; {reuse['hits']}/{reuse['lookups']} "
                              f"rows hit ({100 * reuse['hit_rate']:.0f}%); store peak {reuse['peak_tokens']} of "
-                             f"{reuse['capacity_tokens']} tokens ({reuse['peak_bytes'] / 2**20:.0f} MiB)")]
+                             f"{reuse['capacity_tokens']} tokens ({reuse['peak_bytes'] / 2**20:.0f} MiB)"
+                             + (f"; decode read {100 * reuse['decode_reads_shared']:.0f}% of its K/V once per "
+                                "group of rows sharing it" if reuse.get("decode_reads_shared") else ""))]
 
 
 def render_markdown(report: dict[str, Any]) -> str:

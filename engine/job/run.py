@@ -157,7 +157,8 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
             progress.finish()
     timeline.mark(END, engine.stats, report.rows_done, force=True)
     report.kv_touched_bytes = kv_touched_bytes(engine)
-    report.prefix_reuse = prefix_summary(engine.decoder.prefill_targets[0].store)
+    target = engine.decoder.prefill_targets[0]
+    report.prefix_reuse = prefix_summary(target.store, target.runner.cache)
     summary = report.to_dict(engine.stats)
     summary["job"]["input_rows_total"] = reader.total
     save_report(summary, report_path)

@@ -11,6 +11,10 @@
 // are float32 or bfloat16 (bf16 read as float32; all arithmetic in float32).
 // `attend_cached_scores` also returns each position's attention mass (the final softmax probability
 // summed over a group's query heads and new tokens), for attention-guided drafts, from the same pass.
+// `attend_cached_shared` takes rows in groups whose slots hold the same K/V for a prefix (prefix
+// reuse): one task per (group, KV head) folds each shared block into every member's online softmax
+// (read once), then each member's own blocks; the AVX2 task's block loop is shared, so per query
+// row the arithmetic, and the output, is that of one task per row.
 // Not here: prefill chunks (many new tokens per row; cpu_prefill.cpp), the draft's small element-wise
 // ops (cpu_draft_ops.cpp, bound below).
 //
@@ -294,32 +298,42 @@ inline void value_rows(float* acc, const float* p, int64_t p_stride, const float
 // rows widened into scratch first), the scores of every query row (register tiles of 2 rows x 4
 // entries; lanes past the block's end read a valid row and are masked), the online-softmax update
 // per query row in log2 units, then the values (register tiles of 2 rows x 32 dims).
+// The online-softmax state of R query rows (pointers into a task's scratch): queries in log2 units
+// [R, D], unnormalised outputs [R, D], running max and sum [R], each block's rescale [R], the block's
+// scores [R, kBlock] (with mass: every block's, [n_blocks, R, kBlock], and each block's max [R, n_blocks]).
+struct RowState {
+  float* q;
+  float* acc;
+  float* row_max;
+  float* row_sum;
+  float* corr;
+  float* scores;
+  float* block_max = nullptr;  // non-null: keep every block's probabilities for the mass
+  int64_t n_blocks = 1;
+};
+
+// Entries [first, n_entries) (first a multiple of kBlock) folded into the state of R query rows,
+// block by block: same arithmetic per query row whatever R is and whichever rows share the call.
 template <int C, typename E>
-void attend_task(const float* __restrict q_in, int64_t R, int64_t T, int64_t end, const E* __restrict k,
-                 const E* __restrict v, const Entries& entries, int64_t n_entries, float* __restrict out,
-                 const MassOut& mass) {
+void attend_blocks(const RowState& st, int64_t R, int64_t T, int64_t end, const E* __restrict k,
+                   const E* __restrict v, const Entries& entries, int64_t first, int64_t n_entries,
+                   float* widened) {
   constexpr int64_t D = C * kLanes;
   constexpr bool kWiden = !std::is_same<E, float>::value;
-  const int64_t n_blocks = blocks_of(n_entries);
-  float* all_scores = t_scratch.get(0, (mass.mass ? n_blocks : 1) * R * kBlock);  // [blocks, R, kBlock]
-  float* acc = t_scratch.get(1, R * D);
-  float* row_max = t_scratch.get(2, R);
-  float* row_sum = t_scratch.get(3, R);
-  float* block_max = mass.mass ? t_scratch.get(4, R * n_blocks) : nullptr;
-  float* q = t_scratch.get(5, R * D);                        // the queries in log2 units
-  float* widened = kWiden ? t_scratch.get(6, 2 * kBlock * D) : nullptr;  // a K block, then a V block
-  float* corr = t_scratch.get(7, R);
-  for (int64_t i = 0; i < R * D; ++i) q[i] = q_in[i] * kLog2e;
-  std::fill(acc, acc + R * D, 0.0f);
-  std::fill(row_max, row_max + R, kNoMax);
-  std::fill(row_sum, row_sum + R, 0.0f);
+  const float* q = st.q;
+  float* acc = st.acc;
+  float* row_max = st.row_max;
+  float* row_sum = st.row_sum;
+  float* corr = st.corr;
+  float* block_max = st.block_max;
+  const int64_t n_blocks = st.n_blocks;
   alignas(32) int32_t pos[kBlock];
   const float* k_rows[kBlock];
   const float* v_rows[kBlock];
-  for (int64_t start = 0; start < n_entries; start += kBlock) {
+  for (int64_t start = first; start < n_entries; start += kBlock) {
     const int64_t n = std::min(kBlock, n_entries - start);
     const int64_t blk = start / kBlock;
-    float* scores = all_scores + (mass.mass ? blk * R * kBlock : 0);  // this block's [R, kBlock]
+    float* scores = st.scores + (block_max ? blk * R * kBlock : 0);  // this block's [R, kBlock]
     for (int64_t i = 0; i < kBlock; ++i) {
       int64_t p, row;
       entries.at(std::min(start + i, n_entries - 1), end, &p, &row);  // lanes past n read a valid row...
@@ -417,11 +431,82 @@ void attend_task(const float* __restrict q_in, int64_t R, int64_t T, int64_t end
       else value_rows<C, 1>(acc + r0 * D, p, kBlock, corr + r0, v_rows, n);
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;  // no visible entry: zeros
-    for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv;
+}
+
+// A state for R query rows in this thread's scratch, queries q_in [R, D] scaled into log2 units;
+// mass_blocks > 0: the state keeps that many blocks' probabilities (the mass output).
+template <int C>
+RowState start_rows(const float* const* q_in, int64_t rows_per_input, int64_t inputs, int64_t mass_blocks) {
+  constexpr int64_t D = C * kLanes;
+  const int64_t R = rows_per_input * inputs;
+  RowState st;
+  st.n_blocks = std::max<int64_t>(mass_blocks, 1);
+  st.scores = t_scratch.get(0, st.n_blocks * R * kBlock);
+  st.acc = t_scratch.get(1, R * D);
+  st.row_max = t_scratch.get(2, R);
+  st.row_sum = t_scratch.get(3, R);
+  st.block_max = mass_blocks > 0 ? t_scratch.get(4, R * mass_blocks) : nullptr;
+  st.q = t_scratch.get(5, R * D);
+  st.corr = t_scratch.get(7, R);
+  for (int64_t j = 0; j < inputs; ++j) {
+    float* qj = st.q + j * rows_per_input * D;
+    for (int64_t i = 0; i < rows_per_input * D; ++i) qj[i] = q_in[j][i] * kLog2e;
   }
-  if (mass.mass) finish_mass(mass.mass, R, n_entries, all_scores, block_max, row_max, row_sum, /*base2=*/true);
+  std::fill(st.acc, st.acc + R * D, 0.0f);
+  std::fill(st.row_max, st.row_max + R, kNoMax);
+  std::fill(st.row_sum, st.row_sum + R, 0.0f);
+  return st;
+}
+
+// out [R, D] = the state's normalised outputs (zeros for a row that saw no entry).
+template <int C>
+void finish_rows(const RowState& st, int64_t R, float* __restrict out) {
+  constexpr int64_t D = C * kLanes;
+  for (int64_t r = 0; r < R; ++r) {
+    const float inv = st.row_sum[r] > 0.0f ? 1.0f / st.row_sum[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] = st.acc[r * D + d] * inv;
+  }
+}
+
+template <typename E>
+float* widen_scratch(int64_t D) {  // a K block, then a V block, widened to float32 (bfloat16 K/V only)
+  return std::is_same<E, float>::value ? nullptr : t_scratch.get(6, 2 * kBlock * D);
+}
+
+template <int C, typename E>
+void attend_task(const float* __restrict q_in, int64_t R, int64_t T, int64_t end, const E* __restrict k,
+                 const E* __restrict v, const Entries& entries, int64_t n_entries, float* __restrict out,
+                 const MassOut& mass) {
+  const int64_t n_blocks = blocks_of(n_entries);
+  const float* inputs[1] = {q_in};
+  const RowState st = start_rows<C>(inputs, R, 1, mass.mass ? n_blocks : 0);
+  attend_blocks<C, E>(st, R, T, end, k, v, entries, 0, n_entries, widen_scratch<E>(C * kLanes));
+  finish_rows<C>(st, R, out);
+  if (mass.mass) finish_mass(mass.mass, R, n_entries, st.scores, st.block_max, st.row_max, st.row_sum, /*base2=*/true);
+}
+
+// One KV head of a group of rows whose slots hold the same K/V at positions [0, shared) (shared a
+// multiple of kBlock, below every member's new tokens): those blocks are read once, from the first
+// member's slot, for every member's query rows stacked; then each member goes on over its own
+// [shared, end). Per query row the arithmetic is attend_task's, block for block, so the outputs are
+// bit for bit the ones of one task per member. q[m], k[m], v[m], out[m]: member m's (R rows).
+template <int C, typename E>
+void attend_group_task(const float* const* q, int64_t members, int64_t R, int64_t T, const int64_t* ends,
+                       const E* const* k, const E* const* v, int64_t shared, float* const* out) {
+  constexpr int64_t D = C * kLanes;
+  const RowState all = start_rows<C>(q, R, members, 0);
+  float* widened = widen_scratch<E>(D);
+  attend_blocks<C, E>(all, R * members, T, shared + T, k[0], v[0], Entries{}, 0, shared, widened);
+  for (int64_t m = 0; m < members; ++m) {
+    RowState own = all;
+    own.q += m * R * D;
+    own.acc += m * R * D;
+    own.row_max += m * R;
+    own.row_sum += m * R;
+    own.corr += m * R;
+    attend_blocks<C, E>(own, R, T, ends[m], k[m], v[m], Entries{}, shared, ends[m], widened);
+    finish_rows<C>(own, R, out[m]);
+  }
 }
 
 }  // namespace avx2
@@ -680,6 +765,118 @@ torch::Tensor attend(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v
   return out;
 }
 
+// Whether run_task would take the AVX2 task for head size D (the one with a group task): then a
+// group's shared blocks can be read once without changing a single output bit.
+bool group_task_applies(int64_t D) {
+  if (!g_vector_path) return false;
+#ifdef MAGICDEC_AVX512
+  if (D == 32 || D == 64 || D == 96 || D == 128) return false;  // the AVX-512 task serves it
+#endif
+#ifdef MAGICDEC_AVX2
+  return D >= 16 && D <= 128 && D % avx2::kLanes == 0;
+#else
+  return false;
+#endif
+}
+
+// Groups of rows (members[offsets[g] .. offsets[g + 1]), batch row indices) whose slots hold the
+// same K/V at positions [0, shared[g]); one task per (group, KV head). A group of one, shared 0,
+// or a head size without the group task: each member as attend_cached does it.
+template <typename E>
+torch::Tensor attend_groups(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v_layer, torch::Tensor slots,
+                            torch::Tensor ends, int64_t T, torch::Tensor members, torch::Tensor offsets,
+                            torch::Tensor shared) {
+  TORCH_CHECK(query.dtype() == torch::kFloat32 && query.dim() == 4 && query.is_contiguous(),
+              "float32 contiguous query [B, kv_heads, R, D]");
+  TORCH_CHECK(k_layer.is_contiguous() && v_layer.is_contiguous() && k_layer.sizes() == v_layer.sizes() &&
+              k_layer.dim() == 4, "K, V [slots, kv_heads, capacity, D] contiguous");
+  for (const auto* t : {&slots, &ends, &members, &offsets, &shared})
+    TORCH_CHECK(t->dtype() == torch::kInt64 && t->is_contiguous(), "int64 contiguous slots, ends, groups");
+  const int64_t B = query.size(0), KVH = query.size(1), R = query.size(2), D = query.size(3);
+  const int64_t G = shared.numel(), capacity = k_layer.size(2);
+  TORCH_CHECK(k_layer.size(1) == KVH && k_layer.size(3) == D && T >= 1 && R % T == 0, "shapes disagree");
+  TORCH_CHECK(slots.numel() == B && ends.numel() == B && members.numel() == B && offsets.numel() == G + 1,
+              "slots, ends, members: [B]; offsets: [groups + 1]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* ep = ends.data_ptr<int64_t>();
+  const int64_t* mp = members.data_ptr<int64_t>();
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  const int64_t* shp = shared.data_ptr<int64_t>();
+  std::vector<int> seen(B, 0);
+  TORCH_CHECK(op[0] == 0 && op[G] == B, "offsets must run from 0 to B");
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(op[g] < op[g + 1], "empty group");
+    TORCH_CHECK(shp[g] >= 0 && shp[g] % kBlock == 0, "shared lengths are multiples of 64");
+    for (int64_t i = op[g]; i < op[g + 1]; ++i) {
+      const int64_t b = mp[i];
+      TORCH_CHECK(b >= 0 && b < B && !seen[b]++, "members: each batch row once");
+      TORCH_CHECK(sp[b] >= 0 && sp[b] < k_layer.size(0) && ep[b] >= 0 && ep[b] <= capacity, "slot or end out of range");
+      TORCH_CHECK(shp[g] <= ep[b] - T, "a group's shared positions precede its rows' new tokens");
+    }
+  }
+  auto out = torch::empty_like(query);
+  const float* qp = query.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  const E* kp = static_cast<const E*>(k_layer.data_ptr());
+  const E* vp = static_cast<const E*>(v_layer.data_ptr());
+  const bool grouped = group_task_applies(D);
+  // Tasks (group, KV head), the most entries to read first (see attend).
+  std::vector<int64_t> cost(G, 0), order(G * KVH);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = op[g]; i < op[g + 1]; ++i) cost[g] += ep[mp[i]] - (grouped && i > op[g] ? shp[g] : 0);
+  for (int64_t t = 0; t < G * KVH; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return cost[a / KVH] > cost[c / KVH]; });
+  std::atomic<int64_t> next_task{0};
+  const int64_t n_tasks = G * KVH;
+  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_tasks)), 1,
+                   [&](int64_t, int64_t) {
+    std::vector<const float*> q;
+    std::vector<float*> o;
+    std::vector<const E*> k, v;
+    std::vector<int64_t> member_ends;
+    for (int64_t i = next_task.fetch_add(1); i < n_tasks; i = next_task.fetch_add(1)) {
+      const int64_t g = order[i] / KVH, h = order[i] % KVH;
+      q.clear(); o.clear(); k.clear(); v.clear(); member_ends.clear();
+      for (int64_t j = op[g]; j < op[g + 1]; ++j) {
+        const int64_t b = mp[j], task = b * KVH + h, base = (sp[b] * KVH + h) * capacity * D;
+        q.push_back(qp + task * R * D);
+        o.push_back(outp + task * R * D);
+        k.push_back(kp + base);
+        v.push_back(vp + base);
+        member_ends.push_back(ep[b]);
+      }
+      const int64_t m = static_cast<int64_t>(q.size());
+      bool done = false;
+#ifdef MAGICDEC_AVX2
+      if (grouped && m > 1 && shp[g] > 0) {
+        switch (D / avx2::kLanes) {
+#define MAGICDEC_GROUP(c) \
+  case c: avx2::attend_group_task<c, E>(q.data(), m, R, T, member_ends.data(), k.data(), v.data(), shp[g], o.data()); break;
+          MAGICDEC_GROUP(2) MAGICDEC_GROUP(3) MAGICDEC_GROUP(4) MAGICDEC_GROUP(5) MAGICDEC_GROUP(6)
+          MAGICDEC_GROUP(7) MAGICDEC_GROUP(8) MAGICDEC_GROUP(9) MAGICDEC_GROUP(10) MAGICDEC_GROUP(11)
+          MAGICDEC_GROUP(12) MAGICDEC_GROUP(13) MAGICDEC_GROUP(14) MAGICDEC_GROUP(15) MAGICDEC_GROUP(16)
+#undef MAGICDEC_GROUP
+        }
+        done = true;
+      }
+#endif
+      for (int64_t j = 0; j < m && !done; ++j) {  // one member at a time, as attend_cached
+        MassOut none;
+        switch (D) {
+#define MAGICDEC_CASE(d) \
+  case d: run_task<d, E>(q[j], R, T, member_ends[j], k[j], v[j], Entries{}, member_ends[j], o[j], none); break;
+          MAGICDEC_CASE(16) MAGICDEC_CASE(24) MAGICDEC_CASE(32) MAGICDEC_CASE(40) MAGICDEC_CASE(48)
+          MAGICDEC_CASE(56) MAGICDEC_CASE(64) MAGICDEC_CASE(72) MAGICDEC_CASE(80) MAGICDEC_CASE(88)
+          MAGICDEC_CASE(96) MAGICDEC_CASE(104) MAGICDEC_CASE(112) MAGICDEC_CASE(120) MAGICDEC_CASE(128)
+#undef MAGICDEC_CASE
+          default: attend_task<0, E>(q[j], R, T, member_ends[j], k[j], v[j], Entries{}, member_ends[j], o[j], D, none);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 bool is_bf16(const torch::Tensor& t) {
   if (t.dtype() == torch::kBFloat16) return true;
   TORCH_CHECK(t.dtype() == torch::kFloat32, "float32 or bfloat16 K/V");
@@ -718,6 +915,22 @@ std::vector<torch::Tensor> attend_cached_scores(torch::Tensor query, torch::Tens
       : attend<float>(query, k_layer, v_layer, slots, ends, T, nullptr, nullptr, nullptr, mp, n_positions);
   return {out, mass};
 }
+
+// As attend_cached, for rows grouped by a shared prefix: members [B] (batch rows, group by group),
+// offsets [groups + 1], shared [groups] (positions [0, shared[g]) hold the same K/V, bit for bit, in
+// every slot of group g; multiples of 64). Each group's shared blocks are read from memory once per
+// KV head instead of once per row; the result equals attend_cached's exactly. Returns [B, kv_heads, R, D].
+torch::Tensor attend_cached_shared(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v_layer,
+                                   torch::Tensor slots, torch::Tensor ends, int64_t T, torch::Tensor members,
+                                   torch::Tensor offsets, torch::Tensor shared) {
+  if (is_bf16(k_layer))
+    return attend_groups<uint16_t>(query, k_layer, v_layer, slots, ends, T, members, offsets, shared);
+  return attend_groups<float>(query, k_layer, v_layer, slots, ends, T, members, offsets, shared);
+}
+
+// Whether attend_cached_shared reads a group's shared blocks once for head size D here (else it
+// runs each row as attend_cached does: the AVX-512 task, or no vector path).
+bool shares_prefix_reads(int64_t head_dim) { return group_task_applies(head_dim); }
 
 // As attend_cached, over the listed positions only. positions: [B, kv_heads, N] int64 contiguous;
 // valid: [B, kv_heads, N] bool contiguous.
@@ -797,6 +1010,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_cached_scores", &attend_cached_scores, py::arg("query"), py::arg("k_layer"), py::arg("v_layer"),
         py::arg("slots"), py::arg("ends"), py::arg("T"), py::arg("n_positions") = 0,
         "attend_cached plus each position's attention mass per KV head; returns (out, mass)");
+  m.def("attend_cached_shared", &attend_cached_shared,
+        "attend_cached for rows grouped by a shared prefix, each group's shared K/V read once per KV head");
+  m.def("shares_prefix_reads", &shares_prefix_reads,
+        "whether attend_cached_shared reads a group's shared blocks once for this head size here");
   m.def("attend_positions", &attend_positions, "fused attention over listed cache positions (CPU, fp32/bf16 K/V)");
   m.def("attend_entries", &attend_entries, "fused attention over a compact store's entries (CPU, fp32/bf16 K/V)");
   m.def("prefill_attention", &prefill_attention, py::arg("query"), py::arg("k_layer"), py::arg("v_layer"),
