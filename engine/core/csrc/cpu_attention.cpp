@@ -294,10 +294,6 @@ inline void value_rows(float* acc, const float* p, int64_t p_stride, const float
                         full * kValueChunks * kLanes, n);
 }
 
-// The task of attend_task for D = 8C. Per block of kBlock entries: its K/V row pointers (bfloat16
-// rows widened into scratch first), the scores of every query row (register tiles of 2 rows x 4
-// entries; lanes past the block's end read a valid row and are masked), the online-softmax update
-// per query row in log2 units, then the values (register tiles of 2 rows x 32 dims).
 // The online-softmax state of R query rows (pointers into a task's scratch): queries in log2 units
 // [R, D], unnormalised outputs [R, D], running max and sum [R], each block's rescale [R], the block's
 // scores [R, kBlock] (with mass: every block's, [n_blocks, R, kBlock], and each block's max [R, n_blocks]).
@@ -473,6 +469,10 @@ float* widen_scratch(int64_t D) {  // a K block, then a V block, widened to floa
   return std::is_same<E, float>::value ? nullptr : t_scratch.get(6, 2 * kBlock * D);
 }
 
+// The task of attend_task for D = 8C. Per block of kBlock entries: its K/V row pointers (bfloat16
+// rows widened into scratch first), the scores of every query row (register tiles of 2 rows x 4
+// entries; lanes past the block's end read a valid row and are masked), the online-softmax update
+// per query row in log2 units, then the values (register tiles of 2 rows x 32 dims).
 template <int C, typename E>
 void attend_task(const float* __restrict q_in, int64_t R, int64_t T, int64_t end, const E* __restrict k,
                  const E* __restrict v, const Entries& entries, int64_t n_entries, float* __restrict out,

@@ -1,0 +1,69 @@
+"""`magicdec bench` rows for draft-method variants with their own draft keys, side by side in one run.
+
+Not a test and not a new engine path: `engine.bench.sweep.Bench`, whose recipe for a method named
+`base@key=value,key=value` is the bench's own recipe for `base` with those `draft.*` keys set (for
+example `guided@window=256` or `guided@smoothing=0.5`), so one process times a method against its
+own knobs on the same prompts and the same plain baseline. Rows keep the variant's name.
+
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/bench_variants.py \\
+        --methods "streamingllm guided guided@window=256" --gamma auto --prompts sample_data/long.jsonl \\
+        --context 3328 --budget 512 --new-tokens 64 --out benchmarks/results/guided_window_code.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from engine.bench.sweep import Bench, BenchSpec
+
+
+def base_method(name: str) -> str:
+    return name.partition("@")[0]
+
+
+class VariantBench(Bench):
+    """Bench whose method names may carry draft keys after '@'."""
+
+    def recipe(self, method, budget, gamma, linear_dtype="auto", batch=1, context=2):
+        base, _, keys = method.partition("@")
+        recipe = super().recipe(base, budget, gamma, linear_dtype, batch, context)
+        if not keys:
+            return recipe
+        draft = dataclasses.asdict(recipe.draft)
+        changes = {}
+        for item in keys.split(","):
+            key, _, value = item.partition("=")
+            if key not in draft:
+                raise SystemExit(f"{method}: draft has no key {key!r}")
+            changes[key] = type(draft[key])(value)
+        return dataclasses.replace(recipe, draft=dataclasses.replace(recipe.draft, **changes))
+
+    def _predict(self, shapes, hardware, row, element):
+        return super()._predict(shapes, hardware, dict(row, method=base_method(row["method"])), element)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", required=True, help="space-separated, e.g. 'streamingllm guided@window=256'")
+    parser.add_argument("--gamma", default="auto", help="comma-separated ints and/or auto")
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--context", type=int, default=3328)
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    gammas = tuple(g if g == "auto" else int(g) for g in args.gamma.split(","))
+    spec = BenchSpec(batches=(args.batch,), contexts=(args.context,), methods=("none", *args.methods.split()),
+                     budgets=(args.budget,), gammas=gammas, new_tokens=args.new_tokens, prompts=args.prompts,
+                     hf=False)
+    result = VariantBench(spec).run()
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
