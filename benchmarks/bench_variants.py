@@ -13,10 +13,12 @@ own knobs on the same prompts and the same plain baseline. Rows keep the variant
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import sys
 
 from engine.bench.sweep import Bench, BenchSpec
+from engine.config.loading import apply_override, recipe_from_dict
+from engine.errors import JobError
 
 
 def base_method(name: str) -> str:
@@ -31,14 +33,10 @@ class VariantBench(Bench):
         recipe = super().recipe(base, budget, gamma, linear_dtype, batch, context)
         if not keys:
             return recipe
-        draft = dataclasses.asdict(recipe.draft)
-        changes = {}
-        for item in keys.split(","):
-            key, _, value = item.partition("=")
-            if key not in draft:
-                raise SystemExit(f"{method}: draft has no key {key!r}")
-            changes[key] = type(draft[key])(value)
-        return dataclasses.replace(recipe, draft=dataclasses.replace(recipe.draft, **changes))
+        raw = recipe.to_dict()
+        for item in keys.split(","):  # parsed and checked as `magicdec run --set draft.KEY=VALUE` is
+            apply_override(raw, f"draft.{item}")
+        return recipe_from_dict(raw, source=f"--methods {method}")
 
     def _predict(self, shapes, hardware, row, element):
         return super()._predict(shapes, hardware, dict(row, method=base_method(row["method"])), element)
@@ -59,7 +57,11 @@ def main() -> None:
     spec = BenchSpec(batches=(args.batch,), contexts=(args.context,), methods=("none", *args.methods.split()),
                      budgets=(args.budget,), gammas=gammas, new_tokens=args.new_tokens, prompts=args.prompts,
                      hf=False)
-    result = VariantBench(spec).run()
+    try:
+        result = VariantBench(spec).run()
+    except JobError as exc:  # a bad method or draft key: one line, exit 2, as the CLI does
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"wrote {args.out}")

@@ -116,3 +116,15 @@ def pooled(row: list[float], kernel: int, pooling: str = "avgpool") -> list[floa
         around = [row[i] for i in range(j - pad, j + pad + 1) if 0 <= i < len(row)]
         out.append(max(around) if pooling == "maxpool" else sum(around) / kernel)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    """A tiny target and a slightly perturbed copy of it as a separate draft model (prefix-reuse tests)."""
+    loaded, _ = make_tiny(3)
+    draft, _ = make_tiny(3)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in draft.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.005)
+    return loaded, draft

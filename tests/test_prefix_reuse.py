@@ -9,7 +9,6 @@ import random
 import pytest
 import torch
 
-from conftest import make_tiny
 from engine.config.loading import recipe_from_dict
 from engine.core.kv_cache import KVCache
 from engine.core.prefix_store import PrefixStore
@@ -129,17 +128,6 @@ def ideal_reuse(prompts, block=BLOCK):
         total += min(best, len(p) - 1)
         seen.append(p)
     return total
-
-
-@pytest.fixture(scope="module")
-def tiny_pair():
-    loaded, _ = make_tiny(3)
-    draft, _ = make_tiny(3)
-    g = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for p in draft.model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.005)
-    return loaded, draft
 
 
 CASES = [("none", "self")] + [(m, kind) for m in ("streamingllm", "snapkv", "pqcache") for kind in ("self", "separate")]

@@ -11,7 +11,7 @@ import pytest
 from engine.core import kernels as cpu_kernels
 from engine.core.shared_prefix import KERNEL_BLOCK, group_rows
 from engine.spec.decoder import build_engine
-from test_prefix_reuse import documents_and_questions, generate, recipe, tiny_pair  # noqa: F401 (a fixture)
+from test_prefix_reuse import documents_and_questions, generate, recipe
 
 
 def brute_force_groups(origins, block, starts):

@@ -662,18 +662,25 @@ void attend_task_avx512(const float* __restrict q, int64_t R, int64_t T, int64_t
 }
 #endif
 
+// Head sizes each implementation takes (where compiled in).
+constexpr bool avx512_covers(int64_t D) { return D == 32 || D == 64 || D == 96 || D == 128; }
+constexpr bool avx2_covers(int64_t D) { return D >= 16 && D <= 128 && D % 8 == 0; }
+#ifdef MAGICDEC_AVX2
+static_assert(avx2::kLanes == 8, "avx2_covers counts head sizes in 8-float chunks");
+#endif
+
 // One task, by the fastest implementation compiled in that covers (D, mass).
 template <int64_t D, typename E>
 void run_task(const float* q, int64_t R, int64_t T, int64_t end, const E* k, const E* v,
               const Entries& entries, int64_t n, float* out, const MassOut& mass) {
   if (g_vector_path) {
 #ifdef MAGICDEC_AVX512
-    if constexpr (D == 32 || D == 64 || D == 96 || D == 128) {
+    if constexpr (avx512_covers(D)) {
       if (mass.mass == nullptr) return attend_task_avx512<D, E>(q, R, T, end, k, v, entries, n, out);
     }
 #endif
 #ifdef MAGICDEC_AVX2
-    if constexpr (D >= 16 && D <= 128 && D % avx2::kLanes == 0)
+    if constexpr (avx2_covers(D))
       return avx2::attend_task<static_cast<int>(D / avx2::kLanes), E>(q, R, T, end, k, v, entries, n, out, mass);
 #endif
   }
@@ -681,6 +688,21 @@ void run_task(const float* q, int64_t R, int64_t T, int64_t end, const E* k, con
     attend_task<D, E>(q, R, T, end, k, v, entries, n, out, D, mass);
   else
     attend_task<0, E>(q, R, T, end, k, v, entries, n, out, D, mass);
+}
+
+// run_task for a head size known only at run time.
+template <typename E>
+void run_task_any(int64_t D, const float* q, int64_t R, int64_t T, int64_t end, const E* k, const E* v,
+                  const Entries& entries, int64_t n, float* out, const MassOut& mass) {
+  switch (D) {
+#define MAGICDEC_CASE(d) \
+  case d: return run_task<d, E>(q, R, T, end, k, v, entries, n, out, mass);
+    MAGICDEC_CASE(16) MAGICDEC_CASE(24) MAGICDEC_CASE(32) MAGICDEC_CASE(40) MAGICDEC_CASE(48)
+    MAGICDEC_CASE(56) MAGICDEC_CASE(64) MAGICDEC_CASE(72) MAGICDEC_CASE(80) MAGICDEC_CASE(88)
+    MAGICDEC_CASE(96) MAGICDEC_CASE(104) MAGICDEC_CASE(112) MAGICDEC_CASE(120) MAGICDEC_CASE(128)
+#undef MAGICDEC_CASE
+    default: attend_task<0, E>(q, R, T, end, k, v, entries, n, out, D, mass);
+  }
 }
 
 // mass: [B, kv_heads, n_mass] float32 (written in full), or null (no mass output).
@@ -751,15 +773,7 @@ torch::Tensor attend(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v
       }
       const E* kb = kp + base;
       const E* vb = vp + base;
-      switch (D) {
-#define MAGICDEC_CASE(d) \
-  case d: run_task<d, E>(q, R, T, ep[b], kb, vb, entries, n, o, m); break;
-        MAGICDEC_CASE(16) MAGICDEC_CASE(24) MAGICDEC_CASE(32) MAGICDEC_CASE(40) MAGICDEC_CASE(48)
-        MAGICDEC_CASE(56) MAGICDEC_CASE(64) MAGICDEC_CASE(72) MAGICDEC_CASE(80) MAGICDEC_CASE(88)
-        MAGICDEC_CASE(96) MAGICDEC_CASE(104) MAGICDEC_CASE(112) MAGICDEC_CASE(120) MAGICDEC_CASE(128)
-#undef MAGICDEC_CASE
-        default: attend_task<0, E>(q, R, T, ep[b], kb, vb, entries, n, o, D, m);
-      }
+      run_task_any<E>(D, q, R, T, ep[b], kb, vb, entries, n, o, m);
     }
   });
   return out;
@@ -770,10 +784,10 @@ torch::Tensor attend(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v
 bool group_task_applies(int64_t D) {
   if (!g_vector_path) return false;
 #ifdef MAGICDEC_AVX512
-  if (D == 32 || D == 64 || D == 96 || D == 128) return false;  // the AVX-512 task serves it
+  if (avx512_covers(D)) return false;  // the AVX-512 task serves it
 #endif
 #ifdef MAGICDEC_AVX2
-  return D >= 16 && D <= 128 && D % avx2::kLanes == 0;
+  return avx2_covers(D);
 #else
   return false;
 #endif
@@ -860,18 +874,8 @@ torch::Tensor attend_groups(torch::Tensor query, torch::Tensor k_layer, torch::T
         done = true;
       }
 #endif
-      for (int64_t j = 0; j < m && !done; ++j) {  // one member at a time, as attend_cached
-        MassOut none;
-        switch (D) {
-#define MAGICDEC_CASE(d) \
-  case d: run_task<d, E>(q[j], R, T, member_ends[j], k[j], v[j], Entries{}, member_ends[j], o[j], none); break;
-          MAGICDEC_CASE(16) MAGICDEC_CASE(24) MAGICDEC_CASE(32) MAGICDEC_CASE(40) MAGICDEC_CASE(48)
-          MAGICDEC_CASE(56) MAGICDEC_CASE(64) MAGICDEC_CASE(72) MAGICDEC_CASE(80) MAGICDEC_CASE(88)
-          MAGICDEC_CASE(96) MAGICDEC_CASE(104) MAGICDEC_CASE(112) MAGICDEC_CASE(120) MAGICDEC_CASE(128)
-#undef MAGICDEC_CASE
-          default: attend_task<0, E>(q[j], R, T, member_ends[j], k[j], v[j], Entries{}, member_ends[j], o[j], D, none);
-        }
-      }
+      for (int64_t j = 0; j < m && !done; ++j)  // one member at a time, as attend_cached
+        run_task_any<E>(D, q[j], R, T, member_ends[j], k[j], v[j], Entries{}, member_ends[j], o[j], MassOut{});
     }
   });
   return out;
