@@ -155,6 +155,8 @@ def test_json_summary_has_the_contract_keys_and_bad_rows_become_error_records(tm
     assert hardware["dtype"] == "float32"
     if os.environ.get(kernels.REQUIRE_ENV) == "1":  # the kernel is required wherever a compiler exists
         assert all(path.startswith("fused CPU") for path in hardware["attention"].values()), hardware
+        if "avx512f" not in kernels.cpu_flags().split():  # where the few-row GEMM kernel is meant to serve
+            assert hardware["linear"].startswith("few-row CPU kernel"), hardware
     assert "| compute | float32 GEMMs and KV cache; attention: decode " in (tmp_path / "out.jsonl.report.md").read_text()
 
 

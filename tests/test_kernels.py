@@ -192,6 +192,32 @@ def test_attend_entries(kernels, path, dtype, D, T):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [16, 64, 128])
+@pytest.mark.parametrize("T", [1, 4])
+def test_attend_entries_never_reads_a_block_outside_the_view(kernels, path, dtype, D, T):
+    """A guided or SnapKV store shows its kept entries and a few ring entries: whole 64-entry blocks
+    of the ring are hidden (empty, or holding positions past the row's end). Their K/V are NaN here,
+    so an output equal to the reference over the shown entries means they were never read."""
+    KVH, group, S, end = 2, 3, 256, 3000
+    k, v = make_cache(2, KVH, S, D, dtype)
+    g = torch.Generator().manual_seed(7)
+    entry_pos = torch.randperm(end, generator=g)[:S][None].clone()  # [1, S]: row 0 in slot 1
+    entry_pos[0, 64:128] = -1  # block 1: empty entries
+    entry_pos[0, 128:192] = end + torch.arange(64)  # block 2: positions no query may see yet
+    entry_pos[0, 200] = end - 1  # block 3 partly shown: the newest position
+    hidden = torch.zeros(S, dtype=torch.bool)
+    hidden[64:192] = True
+    k[1, :, hidden], v[1, :, hidden] = float("nan"), float("nan")
+    q = make_query(1, KVH, group, T, D)
+    out = kernels.attend_entries(q, k, v, torch.tensor([1]), torch.tensor([end]), T, entry_pos)
+    shown = ~hidden
+    pos = entry_pos[0, shown].expand(KVH, -1)
+    ref, _ = reference_rows(q[0], k[1][:, shown], v[1][:, shown], pos, pos >= 0, end, T)
+    assert torch.isfinite(out).all()
+    close(out[0], ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [16, 40, 64, 128])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attend_cached_shared_is_attend_cached_bit_for_bit(kernels, path, dtype, D, T):

@@ -1,5 +1,6 @@
 """The fused CPU kernels (`engine/core/csrc`: decode/verify/draft attention, chunked-prefill attention,
-the lean draft's small ops and the guided view's selection), compiled once per machine on first use.
+the lean draft's small ops, the guided view's selection and the few-row linear map), compiled once per
+machine on first use.
 
 torch's C++ extension builder compiles them with the host's vector instructions (-march=native) into
 the cache folder, keyed by the sources and the CPU's flags, so a shared home directory never loads a
@@ -25,7 +26,8 @@ from engine.cache_dir import cache_root, file_lock
 from engine.steps import step, waiting
 
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_draft_ops.cpp", "cpu_guided.cpp")]
+           for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_draft_ops.cpp", "cpu_guided.cpp",
+                        "cpu_linear.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / "vector_math.h"]  # included by the sources, copied beside them
 REQUIRE_ENV = "MAGICDEC_REQUIRE_KERNEL"  # "1": a failed build raises instead of falling back to torch
 _state: dict[str, object] = {}

@@ -13,6 +13,7 @@ import torch
 
 from engine.core.attention import BATCH_KWARG, ForwardBatch
 from engine.core.kv_cache import KVCache
+from engine.core.linear import adopt as adopt_engine_linears, engine_forward
 from engine.core.prefill_attention import PrefillBatch
 from engine.models.loading import LoadedModel
 
@@ -31,6 +32,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, slots: int, capacity: int):
         self.loaded = loaded
         self.model = loaded.model
+        adopt_engine_linears(self.model)  # few-row GEMMs by the CPU kernel inside these forwards
         self.layers, self.heads, self.kv_heads, self.head_dim = attention_shapes(self.model)
         self.cache = KVCache(layers=self.layers, slots=slots, kv_heads=self.kv_heads, head_dim=self.head_dim,
                              capacity=capacity, dtype=loaded.dtype, device=loaded.device)
@@ -51,14 +53,16 @@ class ModelRunner:
 
         Returns float32 logits [B, T, vocab], or [B, 1, vocab] with last_only.
         """
-        out = self.model(input_ids=tokens, position_ids=batch.positions, use_cache=False,
-                         logits_to_keep=1 if last_only else 0, **{BATCH_KWARG: batch})
+        with engine_forward():
+            out = self.model(input_ids=tokens, position_ids=batch.positions, use_cache=False,
+                             logits_to_keep=1 if last_only else 0, **{BATCH_KWARG: batch})
         return out.logits.float()
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
         """tokens: [N], the packed segments' prompt tokens. Returns float32 logits [S, vocab] of each
         segment's last token."""
-        out = self.model(input_ids=tokens[None], position_ids=batch.positions, use_cache=False,
-                         logits_to_keep=batch.last_indices, **{BATCH_KWARG: batch})
+        with engine_forward():
+            out = self.model(input_ids=tokens[None], position_ids=batch.positions, use_cache=False,
+                             logits_to_keep=batch.last_indices, **{BATCH_KWARG: batch})
         return out.logits[0].float()

@@ -20,6 +20,7 @@ import torch
 from engine.config.schema import Recipe
 from engine.core import kernels as cpu_kernels
 from engine.core.attention import ATTN_NAME, attention_paths  # importing it registers the engine's attention with transformers
+from engine.core.linear import linear_path
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, Result
 from engine.errors import JobError, OutputError
@@ -128,6 +129,7 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
         report.draft_gemms = decoder.draft_forward.gemm_dtype
     report.dtype = str(target.dtype).removeprefix("torch.")
     report.attention = attention_paths(target.device, engine.target.cache.k.dtype)
+    report.linear = linear_path(target.device, target.dtype)
     report.rows_resumed = len(writer.done_ids)
     report.resumed_failed = writer.done_errors
     report.kv_cache_bytes = engine.target.cache.nbytes + decoder.cache_bytes

@@ -16,14 +16,15 @@
 // (read once), then each member's own blocks; the AVX2 task's block loop is shared, so per query
 // row the arithmetic, and the output, is that of one task per row.
 // Not here: prefill chunks (many new tokens per row; cpu_prefill.cpp), the draft's small element-wise
-// ops (cpu_draft_ops.cpp, bound below).
+// ops (cpu_draft_ops.cpp), the few-row GEMM (cpu_linear.cpp); all bound below.
 //
 // Three implementations of one task, chosen at run time among those compiled in:
 //  - portable (any head size, any CPU);
 //  - AVX2 + FMA, head sizes 16..128 that are multiples of 8: scores 2 query rows x 4 entries per
 //    register tile (each K chunk loaded once for 2 rows, one horizontal reduction per 4 dot products),
 //    a vectorised base-2 exponential, values 2 query rows x 32 dims per register tile; bfloat16
-//    blocks are widened once into a float32 scratch and shared by every query row;
+//    blocks are widened once into a float32 scratch and shared by every query row; a block no query
+//    row may see (a compact store's ring entries outside the view) is skipped unread;
 //  - AVX-512 (unchanged from before, head sizes 32, 64, 96, 128, no mass output): scores 16 entries
 //    per query row at once, up to 4 query rows' outputs per V row loaded.
 // Where both vector paths are compiled in, AVX-512 takes what it covers and AVX2 the rest.
@@ -330,10 +331,23 @@ void attend_blocks(const RowState& st, int64_t R, int64_t T, int64_t end, const 
     const int64_t n = std::min(kBlock, n_entries - start);
     const int64_t blk = start / kBlock;
     float* scores = st.scores + (block_max ? blk * R * kBlock : 0);  // this block's [R, kBlock]
+    int64_t rows[kBlock];
+    bool seen = false;  // whether any query row sees an entry of this block
     for (int64_t i = 0; i < kBlock; ++i) {
-      int64_t p, row;
-      entries.at(std::min(start + i, n_entries - 1), end, &p, &row);  // lanes past n read a valid row...
+      int64_t p;
+      entries.at(std::min(start + i, n_entries - 1), end, &p, rows + i);  // lanes past n read a valid row...
       pos[i] = i < n ? static_cast<int32_t>(std::min(p, end)) : static_cast<int32_t>(end);  // ...masked here
+      seen |= pos[i] < end;
+    }
+    if (!seen) {  // e.g. a compact store's ring entries outside the view: nothing to read or fold in
+      if (block_max != nullptr) {  // as the online softmax below leaves such a block
+        std::fill(scores, scores + R * kBlock, 0.0f);
+        for (int64_t r = 0; r < R; ++r) block_max[r * n_blocks + blk] = row_max[r];
+      }
+      continue;
+    }
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const int64_t row = rows[i];
       if constexpr (kWiden) {
         float* kw = widened + i * D;
         float* vw = widened + (kBlock + i) * D;
@@ -1006,7 +1020,15 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
                       c10::optional<torch::Tensor> v_store, c10::optional<torch::Tensor> k_cache,
                       c10::optional<torch::Tensor> v_cache);
 
+// The few-row float32 linear map (cpu_linear.cpp).
+bool small_linear_available();
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_linear_available", &small_linear_available, "whether small_linear is compiled in (AVX2 + FMA)");
+  m.def("small_linear", &small_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        "x [M, K] @ weight [N, K]^T (+ bias) for a few rows, float32; each row's result independent of M");
+
   m.def("use_vector_path", &use_vector_path,
         "allow (true) or forbid (false) the vector (AVX2/AVX-512) paths; says if one is compiled in");
   m.def("vector_isa", &vector_isa, "the vector instruction sets compiled in");

@@ -27,10 +27,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from engine.core import kernels as cpu_kernels
 from engine.core.attention import ForwardBatch, attend_full
+from engine.core.linear import is_plain_linear, linear
 from engine.spec.draft.gemms import INT8, DraftGemms, make_linear, resolve_linear_dtype
 from engine.spec.compressors.base import Compressor
 from engine.core.runner import ModelRunner
@@ -81,9 +81,9 @@ def supports(model: torch.nn.Module, cache_dtype: torch.dtype, device: torch.dev
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if any(type(m) is not torch.nn.Linear for m in linears):
+        if not all(is_plain_linear(m) for m in linears):
             return False
-    return type(model.lm_head) is torch.nn.Linear
+    return is_plain_linear(model.lm_head)
 
 
 class LeanDraft:
@@ -185,5 +185,5 @@ def _fused(modules: list[torch.nn.Linear], dtype: torch.dtype | None) -> Linear:
         return make_linear(weight, bias, dtype)
     if len(modules) == 1:
         module = modules[0]
-        return lambda x: F.linear(x, module.weight, module.bias)
-    return lambda x: torch.cat([F.linear(x, m.weight, m.bias) for m in modules], dim=-1)
+        return lambda x: linear(x, module.weight, module.bias)
+    return lambda x: torch.cat([linear(x, m.weight, m.bias) for m in modules], dim=-1)

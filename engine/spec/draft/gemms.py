@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.kernels import cpu_flags
+from engine.core.linear import is_plain_linear
 from engine.errors import JobError
 from engine.models.loading import TORCH_DTYPES
 
@@ -136,7 +137,7 @@ class DraftGemms:
         self.module = self._twin(model)
 
     def _twin(self, module: torch.nn.Module) -> torch.nn.Module:
-        if type(module) is torch.nn.Linear:  # exactly nn.Linear: not DeepSpeed's sharded layers
+        if is_plain_linear(module):  # nn.Linear (or the engine's): not DeepSpeed's sharded layers
             low = LowPrecisionLinear(module, self.dtype)
             self.linears.append(low)
             return low

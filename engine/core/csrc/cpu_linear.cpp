@@ -1,0 +1,113 @@
+// A float32 linear map for a few rows: out = x W^T (+ bias), for decode, verification and draft steps.
+//
+// A decode step multiplies a handful of rows (one per sequence, or gamma + 1 per sequence when
+// verifying) by every weight matrix of the model. With so few rows the GEMM library's kernels
+// neither stream the weights at memory speed nor keep the FMA units busy: on a 2-core Zen 3,
+// batch 13 x SmolLM2-135M's layers took 2x, and its 49152-row lm_head 3x, the time this kernel takes.
+// Here each weight tile (4 rows of W, a few KB) is read from memory once and multiplied, from L1,
+// by every row of x (3 rows at a time: 12 accumulators of 8 lanes along K); threads split W's rows.
+//
+// Every output element is computed by the same sequence of operations (8-lane FMAs along K, one
+// fixed horizontal sum, the K tail, the bias) whatever M is and whichever rows share the call, so a
+// row's result does not depend on its batch. Bindings are in cpu_attention.cpp. Not here: any other
+// dtype (bfloat16/int8 draft GEMMs live in engine/spec/draft/gemms.py), many-row GEMMs (prefill
+// chunks keep torch's), weights that are not contiguous.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "vector_math.h"
+
+namespace {
+
+#ifdef MAGICDEC_AVX2
+constexpr int kTileRows = 3;     // rows of x per register tile
+constexpr int kTileOutputs = 4;  // rows of W per register tile: 3 x 4 accumulators + 4 W vectors
+
+inline float sum8(__m256 v) {  // one fixed order of the 8 lanes
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[i * ldo + j] = x[i] . w[j] (+ bias[j]) for MR rows x [MR, K] and NR rows w [NR, K].
+template <int MR, int NR>
+inline void tile(const float* __restrict x, const float* __restrict w, const float* bias, float* __restrict out,
+                 int64_t K, int64_t ldo) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float s = sum8(acc[i][j]);
+      for (int64_t k = K8; k < K; ++k) s += x[i * K + k] * w[j * K + k];
+      out[i * ldo + j] = bias != nullptr ? s + bias[j] : s;
+    }
+}
+
+// Every row of x against NR rows of W starting at output n.
+template <int NR>
+inline void rows_against(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t K,
+                         int64_t N, int64_t n) {
+  const float* wn = w + n * K;
+  const float* bn = bias != nullptr ? bias + n : nullptr;
+  int64_t m = 0;
+  for (; m + kTileRows <= M; m += kTileRows) tile<kTileRows, NR>(x + m * K, wn, bn, out + m * N + n, K, N);
+  for (; m < M; ++m) tile<1, NR>(x + m * K, wn, bn, out + m * N + n, K, N);
+}
+#endif
+
+}  // namespace
+
+// Whether small_linear has its vector implementation here (else callers keep torch's GEMM).
+bool small_linear_available() {
+#ifdef MAGICDEC_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x: [M, K] float32 contiguous; weight: [N, K] float32 contiguous; bias: [N] or none. Returns [M, N].
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, K], weight [N, K]");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32, "float32 x and weight");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous x and weight");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == weight.size(0),
+                "bias: [N] float32");
+    bp = bias->data_ptr<float>();
+  }
+#ifdef MAGICDEC_AVX2
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t tiles = (N + kTileOutputs - 1) / kTileOutputs;
+  at::parallel_for(0, tiles, 16, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t n = t * kTileOutputs;
+      if (n + kTileOutputs <= N) {
+        rows_against<kTileOutputs>(xp, wp, bp, op, M, K, N, n);
+      } else {
+        for (int64_t j = n; j < N; ++j) rows_against<1>(xp, wp, bp, op, M, K, N, j);
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "small_linear needs AVX2 + FMA (see small_linear_available)");
+#endif
+}

@@ -1,0 +1,106 @@
+"""The engine's linear layers for few rows: the fused CPU kernel's `small_linear` in decode steps.
+
+A decode, verification or draft forward multiplies a few rows (one to gamma + 1 per sequence) by
+every weight matrix; torch's CPU GEMM is slow at that shape (BENCHMARKS.md section 12: 2x on the
+layers and 3x on the lm_head of SmolLM2-135M at 13 rows, on a 2-core Zen 3). `linear(x, weight,
+bias)` takes the kernel for float32 on CPU with at most `MAX_ROWS` rows, else `F.linear`. The
+kernel is AVX2 (8 lanes); on CPUs with AVX-512, where torch's GEMM reached 80 GFLOP/s at 16 rows
+(section 1, against this kernel's 55-75 on the Zen 3), torch's GEMM stays: measured, not assumed.
+
+`adopt(model)` makes a model's exact `nn.Linear` modules `EngineLinear`, a subclass whose forward
+takes `linear` only inside `engine_forward()` (the model runner's forwards), so the same module
+called by anyone else, transformers' own `generate` in the tests included, runs `F.linear` as
+before. The kernel's result for a row does not depend on the other rows of the call, so a row
+decodes the same alone or in any batch. `MAGICDEC_SMALL_GEMM=0` turns it off (for side-by-side
+benchmarks). Not here: low-precision draft GEMMs (`engine.spec.draft.gemms`), sharded layers
+(DeepSpeed's keep their own forward), attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+import torch
+import torch.nn.functional as F
+
+from engine.core import kernels as cpu_kernels
+
+MAX_ROWS = 128  # above this torch's GEMM is as fast (BENCHMARKS.md section 12)
+SWITCH_ENV = "MAGICDEC_SMALL_GEMM"  # "0": always torch's GEMM
+_in_engine = contextvars.ContextVar("magicdec_engine_forward", default=False)
+_state: dict[str, object] = {}
+
+
+def _kernel():
+    """The compiled kernel where `linear` takes it: an AVX2 CPU without AVX-512, the switch on."""
+    if "kernel" not in _state:
+        kernel = None
+        if os.environ.get(SWITCH_ENV, "1") != "0" and "avx512f" not in cpu_kernels.cpu_flags().split():
+            kernel = cpu_kernels.load()
+        _state["kernel"] = kernel if kernel is not None and kernel.small_linear_available() else None
+    return _state["kernel"]
+
+
+def kernel_in_use() -> bool:
+    """Whether `linear` takes the kernel on this machine (for reports and tests)."""
+    return _kernel() is not None
+
+
+def linear_path(device: torch.device, dtype: torch.dtype) -> str:
+    """Who computes decode steps' GEMMs here (for the job report)."""
+    if device.type == "cpu" and dtype == torch.float32 and kernel_in_use():
+        return f"few-row CPU kernel (avx2) up to {MAX_ROWS} rows, torch above"
+    return "torch"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]: the kernel where it applies, else F.linear."""
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and weight.is_contiguous()
+            and (bias is None or bias.dtype == torch.float32)):
+        kernel = _kernel()
+        if kernel is not None:
+            out = kernel.small_linear(x.reshape(rows, K).contiguous(), weight,
+                                      bias.contiguous() if bias is not None else None)
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+class EngineLinear(torch.nn.Linear):
+    """An `nn.Linear` whose forward takes `linear` inside the engine's forwards (see the module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _in_engine.get():
+            return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def adopt(model: torch.nn.Module) -> int:
+    """Turn the model's exact `nn.Linear` modules into `EngineLinear` (same parameters, same state
+    dict); returns how many. Only float32 CPU models, where the kernel applies."""
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu" \
+                and module.weight.dtype == torch.float32:
+            module.__class__ = EngineLinear
+            count += 1
+    return count
+
+
+def is_plain_linear(module: torch.nn.Module) -> bool:
+    """An `nn.Linear` or `EngineLinear` (not a sharded or low-precision layer)."""
+    return type(module) in (torch.nn.Linear, EngineLinear)
+
+
+@contextlib.contextmanager
+def engine_forward():
+    """Inside: `EngineLinear` modules take `linear`."""
+    token = _in_engine.set(True)
+    try:
+        yield
+    finally:
+        _in_engine.reset(token)
