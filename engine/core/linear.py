@@ -1,8 +1,9 @@
 """The engine's linear layers for few rows: the fused CPU kernel's `small_linear` in decode steps.
 
 A decode, verification or draft forward multiplies a few rows (one to gamma + 1 per sequence) by
-every weight matrix; torch's CPU GEMM is slow at that shape (BENCHMARKS.md section 12: 2x on the
-layers and 3x on the lm_head of SmolLM2-135M at 13 rows, on a 2-core Zen 3). `linear(x, weight,
+every weight matrix; torch's CPU GEMM is slow at that shape (BENCHMARKS.md section 12: the kernel
+takes 1.6x less time for one step's layers and lm_head of SmolLM2-135M at 13 rows, 2.6x less for
+the lm_head alone, on a 2-core Zen 3). `linear(x, weight,
 bias)` takes the kernel for float32 on CPU with at most `MAX_ROWS` rows, else `F.linear`. The
 kernel is AVX2 (8 lanes); on CPUs with AVX-512, where torch's GEMM reached 80 GFLOP/s at 16 rows
 (section 1, against this kernel's 55-75 on the Zen 3), torch's GEMM stays: measured, not assumed.

@@ -2,8 +2,9 @@
 //
 // A decode step multiplies a handful of rows (one per sequence, or gamma + 1 per sequence when
 // verifying) by every weight matrix of the model. With so few rows the GEMM library's kernels
-// neither stream the weights at memory speed nor keep the FMA units busy: on a 2-core Zen 3,
-// batch 13 x SmolLM2-135M's layers took 2x, and its 49152-row lm_head 3x, the time this kernel takes.
+// neither stream the weights at memory speed nor keep the FMA units busy: on a 2-core Zen 3, 13 rows
+// through SmolLM2-135M's layers and lm_head took 1.6x, and through the 49152-row lm_head alone 2.6x,
+// the time this kernel takes (BENCHMARKS.md section 12).
 // Here each weight tile (4 rows of W, a few KB) is read from memory once and multiplied, from L1,
 // by every row of x (3 rows at a time: 12 accumulators of 8 lanes along K); threads split W's rows.
 //
