@@ -34,14 +34,12 @@ def step_seconds(rows: int, dtype: torch.dtype | str, repeats: int = 3, shapes=N
     """Best time of one step's linear layers, every weight distinct (read from memory); dtype
     "engine": float32 through the engine's `linear`."""
     shapes = shapes or [shape for _ in range(LAYERS) for shape in LAYER_SHAPES.values()] + [LM_HEAD]
-    if dtype == "engine":
-        maps = [((lambda x, w=torch.randn(shape): engine_linear(x, w)), shape[1]) for shape in shapes]
-        inputs = {i: torch.randn(rows, i) for _, i in maps}
-    elif dtype == INT8:  # the draft's int8 maps: fp32 activations in, quantised per call, fp32 out
+    if dtype == INT8:  # the draft's int8 maps: fp32 activations in, quantised per call, fp32 out
         maps = [(make_linear(torch.randn(shape), None, INT8), shape[1]) for shape in shapes]
         inputs = {i: torch.randn(rows, i) for _, i in maps}  # [rows, in]
     else:
-        maps = [((lambda x, w=torch.randn(shape).to(dtype): F.linear(x, w)), shape[1]) for shape in shapes]
+        gemm, dtype = (engine_linear, torch.float32) if dtype == "engine" else (F.linear, dtype)
+        maps = [((lambda x, w=torch.randn(shape).to(dtype): gemm(x, w)), shape[1]) for shape in shapes]
         inputs = {i: torch.randn(rows, i).to(dtype) for _, i in maps}
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass warms up

@@ -102,7 +102,7 @@ class ForwardBatch:
             origins = [cache.origins[slot] for slot in self.slots]
             self._groups = None
             if shared_prefix.enabled() and sum(1 for o in origins if o) >= 2:
-                self._groups = shared_prefix.group_rows(origins, cache.origin_block, self.starts, self.ends,
+                self._groups = shared_prefix.group_rows(origins, cache.origin_block, self.starts,
                                                         cache.device)
             cache.positions_read += sum(self.ends)
             if self._groups is not None:

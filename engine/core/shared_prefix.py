@@ -33,19 +33,18 @@ class PrefixGroups:
     members: torch.Tensor  # [B] batch row indices, group by group (a group's first row's slot is read)
     offsets: torch.Tensor  # [groups + 1] group g = members[offsets[g]:offsets[g + 1]]
     shared: torch.Tensor  # [groups] positions [0, shared[g]) hold the same K/V in every slot of group g
-    positions_read: int  # K/V positions the forward reads per layer and KV head, summed over rows...
-    positions_saved: int  # ...of which a group's other rows no longer read
+    positions_saved: int  # K/V positions (per layer and KV head) a group's other rows no longer read
 
 
 def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
-def group_rows(origins: list[tuple[int, ...]], block: int, starts: list[int], ends: list[int],
+def group_rows(origins: list[tuple[int, ...]], block: int, starts: list[int],
                device: torch.device | str = "cpu") -> PrefixGroups | None:
     """Groups of the rows whose `origins` (per row: the store-block serials of its first blocks of
     `block` tokens) agree on a prefix; None when no two rows share one. starts[b]: row b's first new
-    position (shared positions stay below it); ends[b]: its end (for the counts)."""
+    position (shared positions stay below it)."""
     B = len(origins)
     chains = []  # per row: [(depth, cumulative key)]
     count: dict[tuple[int, int], int] = {}
@@ -89,4 +88,4 @@ def group_rows(origins: list[tuple[int, ...]], block: int, starts: list[int], en
     def tensor(values):
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    return PrefixGroups(tensor(members), tensor(offsets), tensor(shared), sum(ends), saved)
+    return PrefixGroups(tensor(members), tensor(offsets), tensor(shared), saved)
