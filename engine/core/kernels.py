@@ -8,7 +8,7 @@ build made for another CPU. If no compiler is available (or MAGICDEC_CPU_KERNEL=
 None and the engine uses the pure-torch attention, which gives the same results more slowly; with
 `MAGICDEC_REQUIRE_KERNEL=1` (the test suite sets it wherever a compiler exists, and under `CI=true`) a
 failed build raises instead, so it cannot hide behind the fallback. A build is announced as a step
-(`engine.steps`: a line when it starts, one with its time; about 2 minutes on 2 cores). This module
+(`engine.steps`: a line when it starts, one with its time; about 3 minutes on 2 cores). This module
 builds and loads; the attention module decides when to call the kernel.
 """
 
@@ -93,6 +93,6 @@ def _build():
         with contextlib.ExitStack() as announced:
             if not (build_dir / f"{name}.so").is_file():  # else torch only loads what was built before
                 announced.enter_context(step(f"compiling the fused CPU kernels once into {build_dir} "
-                                             "(about 2 minutes on 2 cores)", "compiled the fused CPU kernels"))
+                                             "(about 3 minutes on 2 cores)", "compiled the fused CPU kernels"))
             return load_extension(name=name, sources=sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                   build_directory=str(build_dir), verbose=False)
