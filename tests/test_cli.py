@@ -157,6 +157,7 @@ def test_json_summary_has_the_contract_keys_and_bad_rows_become_error_records(tm
         assert all(path.startswith("fused CPU") for path in hardware["attention"].values()), hardware
         if "avx512f" not in kernels.cpu_flags().split():  # where the few-row GEMM kernel is meant to serve
             assert hardware["linear"].startswith("few-row CPU kernel"), hardware
+        assert hardware["decode_forward"].startswith("lean stack"), hardware  # float32 Llama on CPU
     assert "| compute | float32 GEMMs and KV cache; attention: decode " in (tmp_path / "out.jsonl.report.md").read_text()
 
 

@@ -93,7 +93,7 @@ def test_lean_forward_equals_transformers_forward(model, method, width):
     runner, compressor, lengths = prefilled(loaded, method)
     tokens = torch.randint(3, 500, (len(lengths), width), generator=torch.Generator().manual_seed(1))  # [B, T]
     batch = draft_batch(runner, compressor, lengths, width)
-    want = runner.forward(tokens, batch, last_only=True)[:, -1]  # [B, vocab]
+    want = runner.module_forward(tokens, batch, last_only=True)[:, -1]  # [B, vocab]
     want_kv = written(runner, batch)
     for store in (runner.cache.k, runner.cache.v):  # the lean forward must write them again
         store[:, batch.write_slots, :, batch.write_positions] = 0.0
@@ -116,7 +116,7 @@ def test_lean_forward_over_the_whole_cache_returns_the_mass_transformers_forward
                             mass=compressor.new_mass(len(lengths), max(lengths) + 1))
 
     reference = batch()
-    want = runner.forward(tokens, reference, last_only=True)[:, -1]  # [B, vocab]
+    want = runner.module_forward(tokens, reference, last_only=True)[:, -1]  # [B, vocab]
     lean = batch()
     got = LeanDraft(loaded.model, None)(tokens, lean)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -140,7 +140,7 @@ def test_lean_forward_over_the_compact_store_equals_transformers_over_the_cache(
         store.copy_(store.bfloat16().float())
     batch = draft_batch(runner, compressor, lengths, width)
     batch.view.compact = None  # the transformers path reads the full cache
-    want = runner.forward(tokens, batch, last_only=True)[:, -1]  # [B, vocab]
+    want = runner.module_forward(tokens, batch, last_only=True)[:, -1]  # [B, vocab]
     want_kv = written(runner, batch)
     # Equal up to the new tokens' own K/V, stored in bfloat16 here: the same choices.
     torch.testing.assert_close(got, want, rtol=0, atol=0.01 * want.abs().max().item())
@@ -163,26 +163,10 @@ def test_lean_forward_with_low_precision_gemms_equals_transformers_with_draft_ge
     gemms = DraftGemms(loaded.model, dtype)  # transformers' modules, with low-precision linear layers
     want = runner.with_module(gemms.module).forward(tokens, draft_batch(runner, compressor, lengths, 1),
                                                     last_only=True)[:, -1]
-    exact = runner.forward(tokens, draft_batch(runner, compressor, lengths, 1), last_only=True)[:, -1]
+    exact = runner.module_forward(tokens, draft_batch(runner, compressor, lengths, 1), last_only=True)[:, -1]
     got = lean(tokens, draft_batch(runner, compressor, lengths, 1))
     # Equal up to the low dtype's rounding: the norms are summed in another order, and an input one
     # float32 ulp away can round to a neighbouring bfloat16 (or int8 step).
     torch.testing.assert_close(got, want, rtol=0, atol=0.01 * want.abs().max().item())
     assert (got.argmax(-1) == want.argmax(-1)).all()
     assert not torch.allclose(got, exact, rtol=1e-5, atol=1e-5)  # the low-precision copies were used
-
-
-def test_supports_only_what_it_computes(monkeypatch):
-    loaded = make_tiny(4)[0]
-    cpu = torch.device("cpu")
-    assert supports(loaded.model, torch.float32, cpu)
-    assert not supports(loaded.model, torch.bfloat16, cpu)  # the kernel reads float32 caches
-    assert not supports(loaded.model, torch.float32, torch.device("cuda"))
-    model = copy.deepcopy(loaded.model)
-    model.config.hidden_act = "gelu"
-    assert not supports(model, torch.float32, cpu)
-    model = copy.deepcopy(loaded.model)
-    model.model.layers[1].mlp.down_proj = torch.nn.Identity()  # e.g. a tensor-parallel replacement
-    assert not supports(model, torch.float32, cpu)
-    monkeypatch.setattr(draft_forward.cpu_kernels, "load", lambda: None)
-    assert not supports(loaded.model, torch.float32, cpu)

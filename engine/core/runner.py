@@ -2,20 +2,27 @@
 
 `ModelRunner` sizes the cache from the model's (rank-local) attention shapes, so it works unchanged on
 a tensor-parallel shard, and calls transformers' model with the engine's `ForwardBatch` so that the
-registered attention reads and writes that cache. It knows nothing about sampling or scheduling.
+registered attention reads and writes that cache. Decode and verification forwards over the whole
+cache take the lean stack instead where it computes the same (`engine.core.lean_forward`: float32
+Llama-family models on CPU; `MAGICDEC_LEAN_FORWARD=0` turns it off); `module_forward` is always
+transformers' modules. It knows nothing about sampling or scheduling.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
-from engine.core.attention import BATCH_KWARG, ForwardBatch
+from engine.core.attention import BATCH_KWARG, FUSED_MAX_NEW, ForwardBatch, attend_full
+from engine.core.lean_forward import LeanStack, stack_for
 from engine.core.kv_cache import KVCache
 from engine.core.linear import adopt as adopt_engine_linears, engine_forward
 from engine.core.prefill_attention import PrefillBatch
 from engine.models.loading import LoadedModel
+
+LEAN_SWITCH_ENV = "MAGICDEC_LEAN_FORWARD"  # "0": every forward through transformers' modules
 
 
 def attention_shapes(model: torch.nn.Module) -> tuple[int, int, int, int]:
@@ -47,12 +54,41 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.loaded.device
 
+    def lean_stack(self) -> LeanStack | None:
+        """The lean stack this runner's decode forwards take, or None (transformers' modules)."""
+        if os.environ.get(LEAN_SWITCH_ENV, "1") == "0" or getattr(self.model, "dtype", None) != torch.float32:
+            return None
+        return stack_for(self.model, self.cache.k.dtype, self.device)
+
+    def decode_path(self) -> str:
+        """Who runs the layers of decode and verification forwards here (for the job report)."""
+        if self.lean_stack() is not None:
+            return "lean stack (fused CPU ops)"
+        if os.environ.get(LEAN_SWITCH_ENV, "1") == "0":
+            return f"transformers modules ({LEAN_SWITCH_ENV}=0)"
+        return "transformers modules"
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch, *, last_only: bool = False) -> torch.Tensor:
         """tokens: [B, T] (row b's go to slot batch.slots[b] from position batch.starts[b]).
 
         Returns float32 logits [B, T, vocab], or [B, 1, vocab] with last_only.
         """
+        B, T = tokens.shape
+        if batch.view is None and batch.write_kv and T <= FUSED_MAX_NEW and (lean := self.lean_stack()) is not None:
+            H, D = lean.heads, lean.head_dim
+
+            def attend(layer: int, query: torch.Tensor) -> torch.Tensor:  # [B, KV, group * T, D] -> [B, T, H * D]
+                return attend_full(query.view(B, H, T, D), layer, batch, lean.scale).reshape(B, T, H * D)
+
+            logits = lean(tokens, batch.positions, batch.slot_tensor, attend, self.cache.k, self.cache.v,
+                          batch.positions, last_only=last_only)
+            return logits[:, None] if last_only else logits
+        return self.module_forward(tokens, batch, last_only=last_only)
+
+    @torch.inference_mode()
+    def module_forward(self, tokens: torch.Tensor, batch: ForwardBatch, *, last_only: bool = False) -> torch.Tensor:
+        """`forward` through transformers' modules, whatever the lean stack would do (the reference)."""
         with engine_forward():
             out = self.model(input_ids=tokens, position_ids=batch.positions, use_cache=False,
                              logits_to_keep=1 if last_only else 0, **{BATCH_KWARG: batch})

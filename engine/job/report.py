@@ -38,6 +38,7 @@ class JobReport:
     dtype: str = "-"  # the target's weights, activations and KV cache (its GEMMs run in it)
     attention: dict[str, str] = dataclasses.field(default_factory=dict)  # engine.core.attention.attention_paths
     linear: str = "-"  # who computes the target's few-row GEMMs (engine.core.linear.linear_path)
+    decode_forward: str = "-"  # who runs the target's decode/verify layers (ModelRunner.decode_path)
     started: float = dataclasses.field(default_factory=time.time)  # time.time() once the model has loaded
     load_s: float = 0.0
     load_started: float | None = None  # time.time() when loading began (None: started - load_s)
@@ -100,7 +101,8 @@ class JobReport:
             "memory": {"peak_bytes": peak, "peak_kind": peak_kind, "kv_cache_bytes": self.kv_cache_bytes,
                        "kv_cache_touched_bytes": self.kv_touched_bytes, "check_bytes": self.memory_check_bytes},
             "hardware": {**hardware_summary(self.device, self.tp, self.dp), "dtype": self.dtype,
-                         "attention": self.attention, "linear": self.linear},
+                         "attention": self.attention, "linear": self.linear,
+                         "decode_forward": self.decode_forward},
             "prefix_reuse": self.prefix_reuse,
             "timeline": self.timeline,
             **self.extra,

@@ -73,7 +73,8 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         paths = hw["attention"]
         rows.append(("compute", f"{hw.get('dtype', '-')} GEMMs and KV cache; attention: decode {paths['decode']}, "
                                 f"draft views {paths['draft_view']}, prefill {paths['prefill']}; "
-                                f"linear layers: {hw.get('linear', 'torch')}"))
+                                f"linear layers: {hw.get('linear', 'torch')}; "
+                                f"decode layers: {hw.get('decode_forward', 'transformers')}"))
     return rows
 
 

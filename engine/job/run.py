@@ -130,6 +130,7 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     report.dtype = str(target.dtype).removeprefix("torch.")
     report.attention = attention_paths(target.device, engine.target.cache.k.dtype)
     report.linear = linear_path(target.device, target.dtype)
+    report.decode_forward = engine.target.decode_path()
     report.rows_resumed = len(writer.done_ids)
     report.resumed_failed = writer.done_errors
     report.kv_cache_bytes = engine.target.cache.nbytes + decoder.cache_bytes

@@ -5,8 +5,9 @@
 // neither stream the weights at memory speed nor keep the FMA units busy: on a 2-core Zen 3, 13 rows
 // through SmolLM2-135M's layers and lm_head took 1.6x, and through the 49152-row lm_head alone 2.6x,
 // the time this kernel takes (BENCHMARKS.md section 12).
-// Here each weight tile (4 rows of W, a few KB) is read from memory once and multiplied, from L1,
-// by every row of x (3 rows at a time: 12 accumulators of 8 lanes along K); threads split W's rows.
+// Here each weight tile (3 rows of W, a few KB) is read from memory once and multiplied, from L1,
+// by every row of x (4 or 3 rows at a time: up to 12 accumulators of 8 lanes along K), while the next
+// tile is prefetched; threads split W's rows.
 //
 // Every output element is computed by the same sequence of operations (8-lane FMAs along K, one
 // fixed horizontal sum, the K tail, the bias) whatever M is and whichever rows share the call, so a
@@ -22,8 +23,7 @@
 namespace {
 
 #ifdef MAGICDEC_AVX2
-constexpr int kTileRows = 3;     // rows of x per register tile
-constexpr int kTileOutputs = 4;  // rows of W per register tile: 3 x 4 accumulators + 4 W vectors
+constexpr int kTileOutputs = 3;  // rows of W per register tile: 4 x 3 accumulators + 3 W vectors + 1 x vector
 
 inline float sum8(__m256 v) {  // one fixed order of the 8 lanes
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -32,19 +32,30 @@ inline float sum8(__m256 v) {  // one fixed order of the 8 lanes
   return _mm_cvtss_f32(s);
 }
 
-// out[i * ldo + j] = x[i] . w[j] (+ bias[j]) for MR rows x [MR, K] and NR rows w [NR, K].
+// out[i * ldo + j] = x[i] . w[j] (+ bias[j]) for MR rows x [MR, K] and NR rows w [NR, K]. With
+// `prefetch`, the next W tile's lines are asked for (into L1) while this one is multiplied.
 template <int MR, int NR>
 inline void tile(const float* __restrict x, const float* __restrict w, const float* bias, float* __restrict out,
-                 int64_t K, int64_t ldo) {
+                 int64_t K, int64_t ldo, const float* prefetch) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t K8 = K & ~int64_t(7);
   for (int64_t k = 0; k < K8; k += 8) {
+    if (prefetch != nullptr && (k & 15) == 0) {  // one 64-byte line per W row every other step
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * K + k), _MM_HINT_T0);
+    }
+    // The empty asm statements keep each W and x vector in a register: without them the compiler
+    // folds the W loads into the FMAs and reads every W vector once per row (16 loads per 12 FMAs,
+    // more than the two load ports keep up with).
     __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    for (int j = 0; j < NR; ++j) {
+      wv[j] = _mm256_loadu_ps(w + j * K + k);
+      asm("" : "+x"(wv[j]));
+    }
     for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * K + k);
+      __m256 xv = _mm256_loadu_ps(x + i * K + k);
+      asm("" : "+x"(xv));
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
@@ -56,15 +67,26 @@ inline void tile(const float* __restrict x, const float* __restrict w, const flo
     }
 }
 
-// Every row of x against NR rows of W starting at output n.
+// Every row of x against NR rows of W starting at output n: register tiles of 4 rows, and of 3 where
+// M is not a multiple of 4 (13 = 4 + 3 + 3 + 3), so that no tile of a single row (one FMA per load)
+// remains unless M < 3. The first tile prefetches the next W tile (`prefetch`, or none).
 template <int NR>
 inline void rows_against(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t K,
-                         int64_t N, int64_t n) {
+                         int64_t N, int64_t n, const float* prefetch) {
   const float* wn = w + n * K;
   const float* bn = bias != nullptr ? bias + n : nullptr;
+  int64_t fours = M / 4, threes = 0;
+  const int64_t rest = M % 4;
+  if (rest == 3) threes = 1;
+  if (rest == 2 && fours >= 1) fours -= 1, threes = 2;
+  if (rest == 1 && fours >= 2) fours -= 2, threes = 3;
   int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows) tile<kTileRows, NR>(x + m * K, wn, bn, out + m * N + n, K, N);
-  for (; m < M; ++m) tile<1, NR>(x + m * K, wn, bn, out + m * N + n, K, N);
+  for (int64_t t = 0; t < fours; ++t, m += 4, prefetch = nullptr)
+    tile<4, NR>(x + m * K, wn, bn, out + m * N + n, K, N, prefetch);
+  for (int64_t t = 0; t < threes; ++t, m += 3, prefetch = nullptr)
+    tile<3, NR>(x + m * K, wn, bn, out + m * N + n, K, N, prefetch);
+  for (; m + 2 <= M; m += 2, prefetch = nullptr) tile<2, NR>(x + m * K, wn, bn, out + m * N + n, K, N, prefetch);
+  for (; m < M; ++m, prefetch = nullptr) tile<1, NR>(x + m * K, wn, bn, out + m * N + n, K, N, prefetch);
 }
 #endif
 
@@ -101,9 +123,10 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
     for (int64_t t = first; t < last; ++t) {
       const int64_t n = t * kTileOutputs;
       if (n + kTileOutputs <= N) {
-        rows_against<kTileOutputs>(xp, wp, bp, op, M, K, N, n);
+        const float* next = t + 1 < last && n + 2 * kTileOutputs <= N ? wp + (n + kTileOutputs) * K : nullptr;
+        rows_against<kTileOutputs>(xp, wp, bp, op, M, K, N, n, next);
       } else {
-        for (int64_t j = n; j < N; ++j) rows_against<1>(xp, wp, bp, op, M, K, N, j);
+        for (int64_t j = n; j < N; ++j) rows_against<1>(xp, wp, bp, op, M, K, N, j, nullptr);
       }
     }
   });

@@ -1,0 +1,168 @@
+"""The target's decode and verification forwards through the lean stack compute what transformers'
+modules compute (engine.core.lean_forward, ModelRunner.forward).
+
+Reference: `ModelRunner.module_forward`, the model's own transformers forward through the engine's
+attention, over the same cache: the same logits (float32, summed in another order: within 1e-4), the
+same K/V written, the same attention mass for the guided draft, with rows of different lengths and
+rows reading a shared prefix once. Fusing q|k|v and gate|up in place leaves transformers' own
+forward bit for bit as it was. The whole engine against transformers' `generate` is in
+test_engine.py and test_speculative.py, which run this path wherever it applies.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import make_tiny, random_prompts
+from engine.core import kernels as cpu_kernels
+from engine.core import lean_forward
+from engine.core.attention import ForwardBatch
+from engine.core.lean_forward import fuse_in_place, supports
+from engine.core.linear import linear
+from engine.core.runner import LEAN_SWITCH_ENV, ModelRunner
+from test_draft_forward import qwen2_tiny
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the compiled CPU kernels")
+
+LENGTHS = (90, 140, 61)
+
+
+def prefilled_runner(loaded, lengths=LENGTHS, shared: int = 0) -> ModelRunner:
+    """A runner whose slots hold random prompts of the given lengths (through transformers' modules);
+    with `shared`, every slot's first `shared` positions hold slot 0's K/V and say so (as the prefix
+    store leaves them), so decoding reads them once for the group."""
+    runner = ModelRunner(loaded, slots=len(lengths), capacity=200)
+    prompts = random_prompts(len(lengths), max(lengths), max(lengths), seed=7)
+    for slot, (prompt, n) in enumerate(zip(prompts, lengths)):
+        if shared and slot > 0:
+            prompt = prompts[0][:shared] + prompt[shared:]
+        prompt = prompt[:n]
+        runner.module_forward(torch.tensor([prompt]), ForwardBatch(runner.cache, [slot], [0], n), last_only=True)
+        runner.cache.set_length(slot, n)
+    if shared:
+        block = 32
+        for slot in range(len(lengths)):
+            runner.cache.set_origin(slot, tuple(range(shared // block)), block)
+    return runner
+
+
+def written(runner, batch: ForwardBatch) -> torch.Tensor:
+    """The K and V at the batch's new positions, every layer: [2, layers, B * T, kv_heads, D]."""
+    k = runner.cache.k[:, batch.write_slots, :, batch.write_positions]
+    v = runner.cache.v[:, batch.write_slots, :, batch.write_positions]
+    return torch.stack([k, v]).clone()
+
+
+def both_forwards(runner, tokens, make_batch, last_only):
+    """(lean logits, lean batch, reference logits, reference batch, lean K/V, reference K/V)."""
+    reference = make_batch()
+    want = runner.module_forward(tokens, reference, last_only=last_only)
+    want_kv = written(runner, reference)
+    for store in (runner.cache.k, runner.cache.v):  # the lean forward must write them again
+        store[:, reference.write_slots, :, reference.write_positions] = 0.0
+    lean = make_batch()
+    got = runner.forward(tokens, lean, last_only=last_only)
+    return got, lean, want, reference, written(runner, lean), want_kv
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize("width,last_only", [(1, True), (1, False), (4, False)])
+def test_decode_and_verify_forwards_equal_transformers_modules(model, width, last_only):
+    loaded = make_tiny(4)[0] if model == "llama" else qwen2_tiny()
+    runner = prefilled_runner(loaded)
+    assert runner.lean_stack() is not None
+    tokens = torch.randint(3, 500, (len(LENGTHS), width), generator=torch.Generator().manual_seed(1))  # [B, T]
+    slots = list(range(len(LENGTHS)))
+    got, _, want, _, got_kv, want_kv = both_forwards(
+        runner, tokens, lambda: ForwardBatch(runner.cache, slots, list(LENGTHS), width), last_only)
+    assert got.shape == want.shape == (len(LENGTHS), 1 if last_only else width, loaded.model.config.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5)
+
+
+def test_verification_returns_the_attention_mass_transformers_modules_do():
+    """The guided draft's scores come from the target's verification forward: the same through both."""
+    loaded = make_tiny(4)[0]
+    runner = prefilled_runner(loaded)
+    width, slots = 3, list(range(len(LENGTHS)))
+    tokens = torch.randint(3, 500, (len(LENGTHS), width), generator=torch.Generator().manual_seed(2))
+
+    def batch():
+        mass = torch.zeros(runner.layers, len(LENGTHS), runner.kv_heads, max(LENGTHS) + width)
+        return ForwardBatch(runner.cache, slots, list(LENGTHS), width, mass=mass)
+
+    got, lean, want, reference, _, _ = both_forwards(runner, tokens, batch, False)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lean.mass, reference.mass, rtol=1e-4, atol=1e-5)
+    group = runner.heads // runner.kv_heads  # every query's probability lands somewhere: [layers, B, kv_heads]
+    torch.testing.assert_close(lean.mass.sum(-1), torch.full(lean.mass.shape[:3], float(group * width)))
+
+
+def test_rows_reading_a_shared_prefix_once_get_what_transformers_modules_give():
+    loaded = make_tiny(4)[0]
+    lengths = (90, 140, 75)
+    runner = prefilled_runner(loaded, lengths, shared=64)
+    width, slots = 2, list(range(len(lengths)))
+    tokens = torch.randint(3, 500, (len(lengths), width), generator=torch.Generator().manual_seed(3))
+    got, lean, want, _, got_kv, want_kv = both_forwards(
+        runner, tokens, lambda: ForwardBatch(runner.cache, slots, list(lengths), width), False)
+    if cpu_kernels.load().shares_prefix_reads(runner.head_dim):
+        assert lean.prefix_groups() is not None  # the shared reads were taken
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5)
+
+
+def test_fusing_in_place_changes_no_value_and_no_bit_of_transformers_forward():
+    _, model = make_tiny(5)  # the plain transformers model (sdpa attention)
+    ids = torch.tensor([random_prompts(1, 40, 40, seed=3)[0]])
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        before = model(input_ids=ids, use_cache=False).logits
+    attn = model.model.layers[0].self_attn
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+    x = torch.randn(5, model.config.hidden_size)
+    separate = torch.cat([linear(x, m.weight, m.bias) for m in projections], dim=-1)
+    fused = fuse_in_place(projections)
+    assert torch.equal(fused(x), separate)  # the few-row GEMM: each output the same bits at any width
+    weight = attn.q_proj._magicdec_fused[1]
+    assert attn.k_proj.weight.data_ptr() == weight[attn.q_proj.out_features:].data_ptr()  # a view, no copy
+    fuse_in_place(projections)
+    assert attn.q_proj._magicdec_fused[1] is weight  # asked again: the same fused tensor
+    lean_forward.LeanStack(model)  # fuses every layer's q|k|v and gate|up
+    after_state = model.state_dict()
+    assert before_state.keys() == after_state.keys()
+    assert all(torch.equal(before_state[k], after_state[k]) for k in before_state)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, use_cache=False).logits, before)
+
+
+def test_supports_only_what_it_computes(monkeypatch):
+    loaded = make_tiny(4)[0]
+    cpu = torch.device("cpu")
+    assert supports(loaded.model, torch.float32, cpu)
+    assert not supports(loaded.model, torch.bfloat16, cpu)  # the kernel reads float32 caches
+    assert not supports(loaded.model, torch.float32, torch.device("cuda"))
+    model = copy.deepcopy(loaded.model)
+    model.config.hidden_act = "gelu"
+    assert not supports(model, torch.float32, cpu)
+    model = copy.deepcopy(loaded.model)
+    model.model.layers[1].mlp.down_proj = torch.nn.Identity()  # e.g. a tensor-parallel replacement
+    assert not supports(model, torch.float32, cpu)
+    monkeypatch.setattr(lean_forward.cpu_kernels, "load", lambda: None)
+    assert not supports(loaded.model, torch.float32, cpu)
+
+
+def test_the_switch_and_unsupported_runners_keep_transformers_modules(monkeypatch):
+    loaded = make_tiny(4)[0]
+    runner = ModelRunner(loaded, slots=1, capacity=64)
+    assert runner.decode_path().startswith("lean stack")
+    monkeypatch.setenv(LEAN_SWITCH_ENV, "0")
+    assert runner.lean_stack() is None and runner.decode_path() == f"transformers modules ({LEAN_SWITCH_ENV}=0)"
+    monkeypatch.delenv(LEAN_SWITCH_ENV)
+    model = copy.deepcopy(loaded.model)
+    model.config.hidden_act = "gelu"
+    twin = runner.with_module(model)
+    assert twin.lean_stack() is None and twin.decode_path() == "transformers modules"
