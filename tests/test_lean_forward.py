@@ -4,8 +4,8 @@ modules compute (engine.core.lean_forward, ModelRunner.forward).
 Reference: `ModelRunner.module_forward`, the model's own transformers forward through the engine's
 attention, over the same cache: the same logits (float32, summed in another order: within 1e-4), the
 same K/V written, the same attention mass for the guided draft, with rows of different lengths and
-rows reading a shared prefix once. Fusing q|k|v and gate|up in place leaves transformers' own
-forward bit for bit as it was. The whole engine against transformers' `generate` is in
+rows reading a shared prefix once. A projection of several weights side by side gives each output
+the bits the weight alone gives it, without copying the weights. The whole engine against transformers' `generate` is in
 test_engine.py and test_speculative.py, which run this path wherever it applies.
 """
 
@@ -20,8 +20,8 @@ from conftest import make_tiny, random_prompts
 from engine.core import kernels as cpu_kernels
 from engine.core import lean_forward
 from engine.core.attention import ForwardBatch
-from engine.core.lean_forward import fuse_in_place, supports
-from engine.core.linear import linear
+from engine.core.lean_forward import side_by_side, supports
+from engine.core.linear import linear, linear_cat
 from engine.core.runner import LEAN_SWITCH_ENV, ModelRunner
 from test_draft_forward import qwen2_tiny
 
@@ -115,28 +115,22 @@ def test_rows_reading_a_shared_prefix_once_get_what_transformers_modules_give():
     torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5)
 
 
-def test_fusing_in_place_changes_no_value_and_no_bit_of_transformers_forward():
-    _, model = make_tiny(5)  # the plain transformers model (sdpa attention)
-    ids = torch.tensor([random_prompts(1, 40, 40, seed=3)[0]])
-    before_state = {k: v.clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():
-        before = model(input_ids=ids, use_cache=False).logits
-    attn = model.model.layers[0].self_attn
+@pytest.mark.parametrize("rows", [1, 3, 13, 16, 129])  # 129: past the kernel's limit, torch's GEMMs
+def test_projections_side_by_side_are_each_weight_alone_without_a_copy(rows):
+    loaded = qwen2_tiny()  # q/k/v with biases
+    attn = loaded.model.model.layers[0].self_attn
     projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-    x = torch.randn(5, model.config.hidden_size)
+    weights = [m.weight.data_ptr() for m in projections]
+    x = torch.randn(rows, loaded.model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
     separate = torch.cat([linear(x, m.weight, m.bias) for m in projections], dim=-1)
-    fused = fuse_in_place(projections)
-    assert torch.equal(fused(x), separate)  # the few-row GEMM: each output the same bits at any width
-    weight = attn.q_proj._magicdec_fused[1]
-    assert attn.k_proj.weight.data_ptr() == weight[attn.q_proj.out_features:].data_ptr()  # a view, no copy
-    fuse_in_place(projections)
-    assert attn.q_proj._magicdec_fused[1] is weight  # asked again: the same fused tensor
-    lean_forward.LeanStack(model)  # fuses every layer's q|k|v and gate|up
-    after_state = model.state_dict()
-    assert before_state.keys() == after_state.keys()
-    assert all(torch.equal(before_state[k], after_state[k]) for k in before_state)
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids, use_cache=False).logits, before)
+    got = side_by_side(projections)(x)
+    assert torch.equal(got, separate)  # the same bits, whatever the other weights beside it
+    assert [m.weight.data_ptr() for m in projections] == weights  # the model's own tensors, untouched
+    odd = [torch.randn(n, 40) for n in (7, 1, 5)]  # widths that are no multiple of the register tile
+    bias = [torch.randn(7), None, torch.randn(5)]
+    x = torch.randn(rows, 40)
+    want = torch.cat([x @ w.T + (b if b is not None else 0) for w, b in zip(odd, bias)], dim=-1)
+    torch.testing.assert_close(linear_cat(x, odd, bias), want, rtol=1e-5, atol=1e-5)
 
 
 def test_supports_only_what_it_computes(monkeypatch):

@@ -3,7 +3,7 @@
 transformers' decoder layer makes many small torch calls per layer (norms in five ops, RoPE by
 slicing and concatenating, three separate projections, the K/V write by index_put, dtype round trips).
 A decode step of ~13 rows spends ~40-60 ms of a ~200 ms step on them on a 2-core CPU. `LeanStack`
-runs the same computation with fused q|k|v and gate|up projections and three C++ ops per layer
+runs the same computation with q|k|v and gate|up each one GEMM call and three C++ ops per layer
 (`engine/core/csrc/cpu_draft_ops.cpp`: residual + RMSNorm, RoPE + K/V write, SiLU x up), and lets its
 caller choose the attention and where the K/V go. Two callers:
 - `ModelRunner.forward` (the target's decode and verification forwards, float32 on CPU): the whole
@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from engine.core import kernels as cpu_kernels
-from engine.core.linear import is_plain_linear, linear
+from engine.core.linear import is_plain_linear, linear, linear_cat
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 Linear = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]
@@ -50,44 +50,22 @@ def supports(model: torch.nn.Module, cache_dtype: torch.dtype, device: torch.dev
     return is_plain_linear(model.lm_head)
 
 
-def fuse_in_place(modules: list[torch.nn.Linear]) -> Linear:
-    """One float32 linear map computing every module's output side by side, without a copy of the
-    weights: the modules' weights (and biases) become row slices of one concatenated tensor, so their
-    values, their state dict and transformers' forward are unchanged. Asked again for the same
-    modules (the target's stack and a float32 lean draft), the same fused tensor is returned."""
+def side_by_side(modules: list[torch.nn.Linear]) -> Linear:
+    """One float32 linear map computing every module's output side by side, from the modules' own
+    weights (`engine.core.linear.linear_cat`: one kernel call, no concatenated copy of them)."""
     if len(modules) == 1:
         module = modules[0]
         return lambda x: linear(x, module.weight, module.bias)
-    weights = [m.weight for m in modules]
-    first = weights[0]
-    fused = getattr(modules[0], "_magicdec_fused", None)
-    if fused is None or fused[0] != tuple(id(m) for m in modules):
-        weight = torch.cat([w.detach() for w in weights]).contiguous()  # [sum of outs, in]
-        has_bias = [m.bias is not None for m in modules]
-        bias = None
-        if any(has_bias):
-            bias = torch.cat([m.bias.detach() if m.bias is not None else first.new_zeros(m.out_features)
-                              for m in modules])
-        offset = 0
-        for m in modules:
-            rows = m.out_features
-            m.weight.data = weight[offset:offset + rows]  # a view: the same values, no second copy
-            if m.bias is not None:
-                m.bias.data = bias[offset:offset + rows]
-            offset += rows
-        fused = (tuple(id(m) for m in modules), weight, bias)
-        modules[0]._magicdec_fused = fused
-    _, weight, bias = fused
-    return lambda x: linear(x, weight, bias)
+    return lambda x: linear_cat(x, [m.weight for m in modules], [m.bias for m in modules])
 
 
 class LeanStack:
     """The decoder stack of one model with its projections fused; a call runs a forward of T new
     tokens per row and returns float32 logits."""
 
-    def __init__(self, model: torch.nn.Module, fuse: Callable[[list[torch.nn.Linear]], Linear] = fuse_in_place):
+    def __init__(self, model: torch.nn.Module, fuse: Callable[[list[torch.nn.Linear]], Linear] = side_by_side):
         """fuse: builds one linear map from modules side by side (the draft's lower-precision copies,
-        or the model's own float32 weights in place)."""
+        or `side_by_side` over the model's own float32 weights)."""
         self.model = model
         config = model.config
         first = model.model.layers[0].self_attn

@@ -71,6 +71,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_cat(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+    """Every weight's `linear` side by side: x [..., K] -> [..., sum of N_i] (a fused q|k|v or gate|up
+    projection over the model's own separate weights, no concatenated copy). Each output has the bits
+    `linear` gives it alone."""
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
+            and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
+            and all(b is None or b.dtype == torch.float32 for b in biases)):
+        kernel = _kernel()
+        if kernel is not None:
+            out = kernel.small_linear_cat(x.reshape(rows, K).contiguous(), weights,
+                                          [b.contiguous() if b is not None else None for b in biases])
+            return out.view(*x.shape[:-1], out.shape[-1])
+    return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+
+
 class EngineLinear(torch.nn.Linear):
     """An `nn.Linear` whose forward takes `linear` inside the engine's forwards (see the module docstring)."""
 

@@ -18,6 +18,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 #include "vector_math.h"
 
 namespace {
@@ -101,32 +103,50 @@ bool small_linear_available() {
 #endif
 }
 
-// x: [M, K] float32 contiguous; weight: [N, K] float32 contiguous; bias: [N] or none. Returns [M, N].
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, K], weight [N, K]");
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32, "float32 x and weight");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous x and weight");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == weight.size(0),
-                "bias: [N] float32");
-    bp = bias->data_ptr<float>();
+// x: [M, K] float32 contiguous; weights[i]: [N_i, K] float32 contiguous; biases[i]: [N_i] or none.
+// Returns [M, sum N_i]: every weight's outputs side by side (a fused q|k|v or gate|up projection from
+// the model's own separate weights, with no concatenated copy), in one pass of the threads.
+torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weights,
+                               std::vector<c10::optional<torch::Tensor>> biases) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] float32, contiguous");
+  TORCH_CHECK(!weights.empty() && biases.size() == weights.size(), "one bias (or None) per weight");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t parts = static_cast<int64_t>(weights.size());
+  std::vector<const float*> wps(parts), bps(parts, nullptr);
+  std::vector<int64_t> widths(parts), columns(parts + 1, 0), first_tile(parts + 1, 0);
+  for (int64_t i = 0; i < parts; ++i) {
+    const auto& w = weights[i];
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.dtype() == torch::kFloat32 && w.is_contiguous(),
+                "weights: [N, K] float32, contiguous, x's K");
+    wps[i] = w.data_ptr<float>();
+    widths[i] = w.size(0);
+    if (biases[i].has_value()) {
+      const auto& b = *biases[i];
+      TORCH_CHECK(b.dtype() == torch::kFloat32 && b.is_contiguous() && b.numel() == w.size(0), "bias: [N] float32");
+      bps[i] = b.data_ptr<float>();
+    }
+    columns[i + 1] = columns[i] + widths[i];
+#ifdef MAGICDEC_AVX2
+    first_tile[i + 1] = first_tile[i] + (widths[i] + kTileOutputs - 1) / kTileOutputs;
+#endif
   }
 #ifdef MAGICDEC_AVX2
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const int64_t N = columns[parts];
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t tiles = (N + kTileOutputs - 1) / kTileOutputs;
-  at::parallel_for(0, tiles, 16, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, first_tile[parts], 16, [&](int64_t first, int64_t last) {
+    int64_t i = 0;
     for (int64_t t = first; t < last; ++t) {
-      const int64_t n = t * kTileOutputs;
-      if (n + kTileOutputs <= N) {
-        const float* next = t + 1 < last && n + 2 * kTileOutputs <= N ? wp + (n + kTileOutputs) * K : nullptr;
-        rows_against<kTileOutputs>(xp, wp, bp, op, M, K, N, n, next);
+      while (t >= first_tile[i + 1]) ++i;  // the weight this tile belongs to
+      const float* wp = wps[i];
+      const int64_t n = (t - first_tile[i]) * kTileOutputs, Ni = widths[i];
+      float* oi = op + columns[i];  // weight i's first output column; rows of out are N apart
+      if (n + kTileOutputs <= Ni) {
+        const float* next = t + 1 < last && n + 2 * kTileOutputs <= Ni ? wp + (n + kTileOutputs) * K : nullptr;
+        rows_against<kTileOutputs>(xp, wp, bps[i], oi, M, K, N, n, next);
       } else {
-        for (int64_t j = n; j < N; ++j) rows_against<1>(xp, wp, bp, op, M, K, N, j, nullptr);
+        for (int64_t j = n; j < Ni; ++j) rows_against<1>(xp, wp, bps[i], oi, M, K, N, j, nullptr);
       }
     }
   });
@@ -134,4 +154,9 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
 #else
   TORCH_CHECK(false, "small_linear needs AVX2 + FMA (see small_linear_available)");
 #endif
+}
+
+// x: [M, K] float32 contiguous; weight: [N, K] float32 contiguous; bias: [N] or none. Returns [M, N].
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  return small_linear_cat(x, {weight}, {bias});
 }

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.attention import ForwardBatch, attend_full
-from engine.core.lean_forward import Linear, LeanStack, fuse_in_place, supports
+from engine.core.lean_forward import Linear, LeanStack, side_by_side, supports
 from engine.spec.draft.gemms import INT8, DraftGemms, make_linear, resolve_linear_dtype
 from engine.spec.compressors.base import Compressor
 from engine.core.runner import ModelRunner
@@ -118,7 +118,7 @@ def _fused(modules: list[torch.nn.Linear], dtype: torch.dtype | None) -> Linear:
     """One linear map computing every module's output side by side ([..., in] -> [..., sum of outs]).
 
     With a lower-precision dtype the concatenated weight is that dtype's copy; with None the model's
-    own weights, fused in place (`engine.core.lean_forward.fuse_in_place`: no copy).
+    own weights side by side (`engine.core.lean_forward.side_by_side`: no copy).
     """
     if dtype is not None:
         weight = torch.cat([m.weight.detach() for m in modules])  # [sum of outs, in]
@@ -128,4 +128,4 @@ def _fused(modules: list[torch.nn.Linear], dtype: torch.dtype | None) -> Linear:
             bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
                               for b, m in zip(biases, modules)])
         return make_linear(weight, bias, dtype)
-    return fuse_in_place(modules)
+    return side_by_side(modules)
