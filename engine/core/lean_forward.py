@@ -2,10 +2,10 @@
 
 transformers' decoder layer makes many small torch calls per layer (norms in five ops, RoPE by
 slicing and concatenating, three separate projections, the K/V write by index_put, dtype round trips).
-A decode step of ~13 rows spends ~40-60 ms of a ~200 ms step on them on a 2-core CPU. `LeanStack`
-runs the same computation with q|k|v and gate|up each one GEMM call and three C++ ops per layer
-(`engine/core/csrc/cpu_draft_ops.cpp`: residual + RMSNorm, RoPE + K/V write, SiLU x up), and lets its
-caller choose the attention and where the K/V go. Two callers:
+A decode step of ~13 rows spent ~30-40 ms of a ~170 ms step on them on a 2-core CPU (BENCHMARKS.md
+section 13). `LeanStack` runs the same computation with q|k|v and gate|up each one GEMM call and
+three C++ ops per layer (`engine/core/csrc/cpu_draft_ops.cpp`: residual + RMSNorm, RoPE + K/V
+write, SiLU x up), and lets its caller choose the attention and where the K/V go. Two callers:
 - `ModelRunner.forward` (the target's decode and verification forwards, float32 on CPU): the whole
   cache through `engine.core.attention.attend_full` (shared-prefix reads and the guided draft's
   attention mass included), the K/V written into the cache.
@@ -60,8 +60,8 @@ def side_by_side(modules: list[torch.nn.Linear]) -> Linear:
 
 
 class LeanStack:
-    """The decoder stack of one model with its projections fused; a call runs a forward of T new
-    tokens per row and returns float32 logits."""
+    """The decoder stack of one model, q|k|v and gate|up each one linear map; a call runs a forward
+    of T new tokens per row and returns float32 logits."""
 
     def __init__(self, model: torch.nn.Module, fuse: Callable[[list[torch.nn.Linear]], Linear] = side_by_side):
         """fuse: builds one linear map from modules side by side (the draft's lower-precision copies,
