@@ -23,7 +23,7 @@ from engine.core.attention import ForwardBatch
 from engine.core.lean_forward import side_by_side, supports
 from engine.core.linear import linear, linear_cat
 from engine.core.runner import LEAN_SWITCH_ENV, ModelRunner
-from test_draft_forward import qwen2_tiny
+from test_draft_forward import qwen2_tiny, written
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the compiled CPU kernels")
 
@@ -47,13 +47,6 @@ def prefilled_runner(loaded, lengths=LENGTHS, shared: int = 0) -> ModelRunner:
         for slot in range(len(lengths)):
             runner.cache.set_origin(slot, tuple(range(shared // block)), block)
     return runner
-
-
-def written(runner, batch: ForwardBatch) -> torch.Tensor:
-    """The K and V at the batch's new positions, every layer: [2, layers, B * T, kv_heads, D]."""
-    k = runner.cache.k[:, batch.write_slots, :, batch.write_positions]
-    v = runner.cache.v[:, batch.write_slots, :, batch.write_positions]
-    return torch.stack([k, v]).clone()
 
 
 def both_forwards(runner, tokens, make_batch, last_only):

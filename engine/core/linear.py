@@ -56,18 +56,25 @@ def linear_path(device: torch.device, dtype: torch.dtype) -> str:
     return "torch"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]: the kernel where it applies, else F.linear."""
+def _kernel_for(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
+    """The kernel if it takes x [..., K] against these float32 weights here (1..MAX_ROWS rows on CPU),
+    else None."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and weight.is_contiguous()
-            and (bias is None or bias.dtype == torch.float32)):
-        kernel = _kernel()
-        if kernel is not None:
-            out = kernel.small_linear(x.reshape(rows, K).contiguous(), weight,
-                                      bias.contiguous() if bias is not None else None)
-            return out.view(*x.shape[:-1], weight.shape[0])
+    if not (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
+            and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
+            and all(b is None or b.dtype == torch.float32 for b in biases)):
+        return None
+    return _kernel()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]: the kernel where it applies, else F.linear."""
+    kernel = _kernel_for(x, [weight], [bias])
+    if kernel is not None:
+        out = kernel.small_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight,
+                                  bias.contiguous() if bias is not None else None)
+        return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
@@ -75,16 +82,11 @@ def linear_cat(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.
     """Every weight's `linear` side by side: x [..., K] -> [..., sum of N_i] (a fused q|k|v or gate|up
     projection over the model's own separate weights, no concatenated copy). Each output has the bits
     `linear` gives it alone."""
-    K = x.shape[-1]
-    rows = x.numel() // K if K else 0
-    if (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
-            and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
-            and all(b is None or b.dtype == torch.float32 for b in biases)):
-        kernel = _kernel()
-        if kernel is not None:
-            out = kernel.small_linear_cat(x.reshape(rows, K).contiguous(), weights,
-                                          [b.contiguous() if b is not None else None for b in biases])
-            return out.view(*x.shape[:-1], out.shape[-1])
+    kernel = _kernel_for(x, weights, biases)
+    if kernel is not None:
+        out = kernel.small_linear_cat(x.reshape(-1, x.shape[-1]).contiguous(), weights,
+                                      [b.contiguous() if b is not None else None for b in biases])
+        return out.view(*x.shape[:-1], out.shape[-1])
     return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
 
 
