@@ -52,6 +52,23 @@ def test_auto_decodes_plainly_when_drafting_costs_too_much():
     assert set(later) <= {0, GammaPolicy.PROBE_GAMMA} and GammaPolicy.PROBE_GAMMA in later  # ...with cheap probes
 
 
+def test_probes_back_off_while_speculation_keeps_losing_and_resume_when_it_pays():
+    replan = 8
+    policy = GammaPolicy("auto", gamma_max=6, replan_every=replan, speculative=True)
+    losing = drive(policy, t_target=1.0, t_draft=1.2, t_verify_slope=0.5, alpha=0.95, rounds=600)
+    probes = [i for i, g in enumerate(losing) if g > 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps), gaps  # each gap at least the one before...
+    assert gaps[-1] == GammaPolicy.MAX_PROBE_BACKOFF * replan  # ...up to the cap
+    assert len(probes) <= 2 + 4 + 600 // (GammaPolicy.MAX_PROBE_BACKOFF * replan), probes  # not one per period
+    # Drafting becomes cheap (e.g. the batch's reads stop being shared): the next probe sees it.
+    winning = drive(policy, t_target=1.0, t_draft=0.1, t_verify_slope=0.05, alpha=0.9, rounds=200)
+    first = next(i for i, g in enumerate(winning) if g >= 2)
+    assert first <= (GammaPolicy.MAX_PROBE_BACKOFF + 2) * replan, winning
+    assert winning[first:].count(0) <= 0.2 * len(winning[first:])  # speculating from then on
+    assert policy.probe_period == replan  # and the next losing spell backs off from the start again
+
+
 def test_a_gamma_chosen_on_an_extrapolated_verify_time_is_replanned_once_measured():
     # T_V(0) = T_V(1): the line through them says verification is free, so the first plan takes
     # gamma_max; its first round measures T_V(8) at 4.2 T_T, and the very next round replans.

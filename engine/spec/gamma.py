@@ -8,7 +8,13 @@ g minimises it, and g = 0 (plain decoding) wins when no g brings it below 1.
 `GammaPolicy` applies this to the running job: T_T, T_D, T_V(g) and a are measured as the job runs
 (exponential moving averages, so they follow the contexts as they grow and the batch as it drains),
 re-evaluated every `replan_every` rounds, with an occasional probe round so that a policy that chose
-plain decoding still notices when speculation starts to pay. `magicdec plan` uses the same functions
+plain decoding still notices when speculation starts to pay. Probes back off while they keep losing:
+each probe of a plainly decoding policy doubles the rounds to the next one (up to `MAX_PROBE_BACKOFF`
+replan periods), and a plan that speculates again resets the interval. Such a spaced probe's T_D and
+T_V replace the older averages instead of joining them (the batch may have changed since). A job
+whose speculation never
+pays (e.g. rows that read a shared prefix once, where the target step is GEMM-bound) then spends
+a few probe rounds, not one every period. `magicdec plan` uses the same functions
 with times predicted from a roofline instead of measured. No model code here.
 """
 
@@ -55,6 +61,7 @@ class GammaPolicy:
     """Fixed gamma, or "auto": the cost model fed with what this job measures."""
 
     PROBE_GAMMA = 1  # the cheapest round that measures T_D, T_V and the acceptance
+    MAX_PROBE_BACKOFF = 8  # while decoding plainly, at most this many replan periods between probes
 
     def __init__(self, gamma: int | str, gamma_max: int, replan_every: int, speculative: bool):
         self.fixed = None if gamma == "auto" else int(gamma)
@@ -71,6 +78,9 @@ class GammaPolicy:
         self.extrapolated = False  # whether the current plan's T_V(current) was extrapolated
         self.current = 0 if self.fixed is None else self.fixed
         self.predicted_speedup = 1.0
+        self.probe_period = replan_every  # rounds from one probe of a plain policy to the next
+        self.last_probe: int | None = None  # the round of the last such probe
+        self.fresh_probe = False  # whether the round being run is a probe after a backed-off gap
 
     @property
     def alpha(self) -> float:
@@ -80,6 +90,10 @@ class GammaPolicy:
 
     def observe(self, *, gamma: int, rows: int, draft_s: float, verify_s: float, accepted: list[int]) -> None:
         self.rounds += 1
+        if self.fresh_probe and gamma > 0:  # a reading after a long gap: the old averages are stale
+            self.t_draft.value = None
+            self.t_verify.pop(gamma, None)
+        self.fresh_probe = False
         self.t_verify.setdefault(gamma, _Ema()).add(verify_s)
         if gamma > 0:
             self.t_draft.add(draft_s / gamma)
@@ -104,11 +118,20 @@ class GammaPolicy:
             self.current, self.predicted_speedup = self.plan()
             self.planned_at, since = self.rounds, 0
             self.extrapolated = self.current not in self.t_verify
+            if self.current > 0:
+                self.probe_period = self.replan_every
         if self.replan_every >= 2 and since == self.replan_every // 2:
             # Once per period, the other choice: a plain round refreshes T_T while speculating, a
             # gamma-1 round refreshes T_D, T_V and the acceptance while decoding plainly (cheap
             # even when drafting costs more than it saves; T_V of larger gammas is extrapolated).
-            return self.PROBE_GAMMA if self.current == 0 else 0
+            if self.current > 0:
+                return 0
+            if self.last_probe is None or self.rounds - self.last_probe >= self.probe_period:
+                self.fresh_probe = self.probe_period > self.replan_every
+                if self.last_probe is not None:
+                    self.probe_period = min(2 * self.probe_period, self.MAX_PROBE_BACKOFF * self.replan_every)
+                self.last_probe = self.rounds
+                return self.PROBE_GAMMA
         return self.current
 
     def verify_time(self, gamma: int) -> float:
