@@ -12,10 +12,9 @@ plain decoding still notices when speculation starts to pay. Probes back off whi
 each probe of a plainly decoding policy doubles the rounds to the next one (up to `MAX_PROBE_BACKOFF`
 replan periods), and a plan that speculates again resets the interval. Such a spaced probe's T_D and
 T_V replace the older averages instead of joining them (the batch may have changed since). A job
-whose speculation never
-pays (e.g. rows that read a shared prefix once, where the target step is GEMM-bound) then spends
-a few probe rounds, not one every period. `magicdec plan` uses the same functions
-with times predicted from a roofline instead of measured. No model code here.
+whose speculation never pays (e.g. rows that read a shared prefix once, where the target step is
+GEMM-bound) then spends a few probe rounds, not one every period. `magicdec plan` uses the same
+functions with times predicted from a roofline instead of measured. No model code here.
 """
 
 from __future__ import annotations
