@@ -13,8 +13,8 @@
 // summed over a group's query heads and new tokens), for attention-guided drafts, from the same pass.
 // `attend_cached_shared` takes rows in groups whose slots hold the same K/V for a prefix (prefix
 // reuse): one task per (group, KV head) folds each shared block into every member's online softmax
-// (read once), then each member's own blocks; the AVX2 task's block loop is shared, so per query
-// row the arithmetic, and the output, is that of one task per row.
+// (read once), then each member's own blocks; each vector task's block loop is shared by its group
+// task, so per query row the arithmetic, and the output, is that of one task per row.
 // Not here: prefill chunks (many new tokens per row; cpu_prefill.cpp), the draft's small element-wise
 // ops (cpu_draft_ops.cpp), the few-row GEMM (cpu_linear.cpp); all bound below.
 //
@@ -25,8 +25,9 @@
 //    a vectorised base-2 exponential, values 2 query rows x 32 dims per register tile; bfloat16
 //    blocks are widened once into a float32 scratch and shared by every query row; a block no query
 //    row may see (a compact store's ring entries outside the view) is skipped unread;
-//  - AVX-512 (unchanged from before, head sizes 32, 64, 96, 128, no mass output): scores 16 entries
-//    per query row at once, up to 4 query rows' outputs per V row loaded.
+//  - AVX-512, head sizes 32, 64, 96, 128: scores 16 entries per query row at once, up to 4 query
+//    rows' outputs per V row loaded.
+// The AVX2 and AVX-512 tasks each have a group task (attend_cached_shared) over the same block loop.
 // Where both vector paths are compiled in, AVX-512 takes what it covers and AVX2 the rest.
 // `use_vector_path(false)` forces the portable one (the tests check both).
 
@@ -528,6 +529,8 @@ void attend_group_task(const float* const* q, int64_t members, int64_t R, int64_
 
 
 #ifdef MAGICDEC_AVX512
+namespace avx512 {
+
 // Lane i of the result = the sum of the 16 lanes of v[i].
 inline __m512 reduce16(const __m512* v) {
   __m512 w[8], x[4];
@@ -571,27 +574,41 @@ inline void accumulate_values(float* const* out, const float* const* p, const E*
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[g] + 16 * c, acc[g][c]);
 }
 
-// The same task as attend_task, for D = 32, 64, 96 or 128. Entries come in blocks of kBlock (4 groups
-// of 16); with dense entries, the block's V rows are prefetched while its scores are computed, and
-// the next block's K rows into L2 (worth ~10% at batch 16 x 4K on a 2-core EPYC). Per
-// block: the scores of every query row (16 entries at a time), an online-softmax update, then the
-// values, up to kGroup query rows per pass over the block's V rows (from L1 after the first pass).
+// The online-softmax state of R query rows (pointers into a task's scratch): queries [R, D],
+// unnormalised outputs [R, D], running max and sum [R], the current block's scores, then
+// probabilities [R, kBlock] (with mass: every block's, [n_blocks, R, kBlock], and each block's max
+// [R, n_blocks], as MassOut describes), and room for R row indices (the rows that see the block).
+struct RowState {
+  const float* q;
+  float* acc;
+  float* row_max;
+  float* row_sum;
+  float* scores;
+  int* live;
+  float* block_max = nullptr;  // non-null: keep every block's probabilities for the mass
+  int64_t n_blocks = 1;
+};
+
+thread_local std::vector<int> t_live;  // RowState::live (per thread, kept between tasks)
+
+// Entries [first, n_entries) (first a multiple of kBlock) folded into the state of R query rows,
+// block by block (4 groups of 16 entries). With dense entries, the block's V rows are prefetched while
+// its scores are computed, and the next block's K rows into L2 (worth ~10% at batch 16 x 4K on a
+// 2-core EPYC). Per block: the scores of every query row (16 entries at a time), an online-softmax
+// update, then the values, up to kGroup query rows per pass over the block's V rows (from L1 after the
+// first pass). Per query row the arithmetic does not depend on R or on which rows share the call.
 template <int64_t D, typename E>
-void attend_task_avx512(const float* __restrict q, int64_t R, int64_t T, int64_t end,
-                        const E* __restrict k, const E* __restrict v, const Entries& entries,
-                        int64_t n_entries, float* __restrict out) {
+void attend_blocks(const RowState& st, int64_t R, int64_t T, int64_t end, const E* __restrict k,
+                   const E* __restrict v, const Entries& entries, int64_t first, int64_t n_entries) {
   constexpr int C = D / 16;
   constexpr int kGroup = D <= 64 ? 4 : 2;  // query rows per pass over V (accumulators in registers)
-  std::vector<float> scores(R * kBlock);   // then the probabilities, [R, kBlock]
-  std::vector<float> acc(R * D, 0.0f);
-  std::vector<float> row_max(R, kNoMax), row_sum(R, 0.0f);
   int64_t pos[kBlock];
   const E* k_rows[kBlock];
   const E* v_rows[kBlock];
-  std::vector<int> live;  // query rows that see at least one entry of the current block
-  live.reserve(R);
-  for (int64_t start = 0; start < n_entries; start += kBlock) {
+  for (int64_t start = first; start < n_entries; start += kBlock) {
     const int64_t n = std::min(kBlock, n_entries - start);
+    const int64_t blk = start / kBlock;
+    float* scores = st.scores + (st.block_max ? blk * R * kBlock : 0);  // this block's [R, kBlock]
     for (int64_t i = 0; i < kBlock; ++i) {
       int64_t row;
       entries.at(std::min(start + i, n_entries - 1), end, pos + i, &row);  // lanes past n read a valid row...
@@ -608,14 +625,14 @@ void attend_task_avx512(const float* __restrict q, int64_t R, int64_t T, int64_t
         for (int64_t x = 0; x < next; x += 64) _mm_prefetch(kn + x, _MM_HINT_T1);
       }
     }
-    live.clear();
+    int64_t n_live = 0;
     for (int64_t r = 0; r < R; ++r) {
       const int64_t last = end - T + r % T;  // rows are (head, token), token fastest
-      float* s = scores.data() + r * kBlock;
+      float* s = scores + r * kBlock;
       __m512 qr[C];
-      for (int c = 0; c < C; ++c) qr[c] = _mm512_loadu_ps(q + r * D + 16 * c);
+      for (int c = 0; c < C; ++c) qr[c] = _mm512_loadu_ps(st.q + r * D + 16 * c);
       bool any = false;
-      float m = row_max[r];
+      float m = st.row_max[r];
       for (int64_t group = 0; group < kBlock; group += 16) {
         __mmask16 visible = 0;
         for (int i = 0; i < 16; ++i) visible |= static_cast<__mmask16>(pos[group + i] <= last) << i;
@@ -635,9 +652,13 @@ void attend_task_avx512(const float* __restrict q, int64_t R, int64_t T, int64_t
         m = std::max(m, _mm512_reduce_max_ps(block));
         any = true;
       }
-      if (!any) continue;
-      live.push_back(static_cast<int>(r));
-      const float correction = std::exp(row_max[r] - m);
+      if (st.block_max != nullptr) st.block_max[r * st.n_blocks + blk] = m;
+      if (!any) {
+        if (st.block_max != nullptr) std::fill(s, s + kBlock, 0.0f);  // probabilities of a block it cannot see
+        continue;
+      }
+      st.live[n_live++] = static_cast<int>(r);
+      const float correction = std::exp(st.row_max[r] - m);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < kBlock; ++i) {
@@ -646,20 +667,20 @@ void attend_task_avx512(const float* __restrict q, int64_t R, int64_t T, int64_t
         s[i] = p;
         sum += p;
       }
-      row_sum[r] = row_sum[r] * correction + sum;
-      row_max[r] = m;
+      st.row_sum[r] = st.row_sum[r] * correction + sum;
+      st.row_max[r] = m;
       if (correction != 1.0f) {
-        float* ar = acc.data() + r * D;
+        float* ar = st.acc + r * D;
         for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
       }
     }
-    for (size_t first = 0; first < live.size(); first += kGroup) {
-      const int g = static_cast<int>(std::min<size_t>(kGroup, live.size() - first));
+    for (int64_t first_live = 0; first_live < n_live; first_live += kGroup) {
+      const int g = static_cast<int>(std::min<int64_t>(kGroup, n_live - first_live));
       float* outs[kGroup];
       const float* probs[kGroup];
       for (int j = 0; j < g; ++j) {
-        outs[j] = acc.data() + live[first + j] * D;
-        probs[j] = scores.data() + live[first + j] * kBlock;
+        outs[j] = st.acc + st.live[first_live + j] * D;
+        probs[j] = scores + st.live[first_live + j] * kBlock;
       }
       switch (g) {
         case 1: accumulate_values<D, 1, E>(outs, probs, v_rows, n); break;
@@ -669,11 +690,79 @@ void attend_task_avx512(const float* __restrict q, int64_t R, int64_t T, int64_t
       }
     }
   }
+}
+
+// A state for rows_per_input query rows of each of `inputs` inputs q_in[j] [rows_per_input, D],
+// stacked, in this thread's scratch (one input is read in place); mass_blocks > 0: the state keeps
+// that many blocks' probabilities (the mass output).
+template <int64_t D>
+RowState start_rows(const float* const* q_in, int64_t rows_per_input, int64_t inputs, int64_t mass_blocks) {
+  const int64_t R = rows_per_input * inputs;
+  RowState st;
+  st.n_blocks = std::max<int64_t>(mass_blocks, 1);
+  st.scores = t_scratch.get(0, st.n_blocks * R * kBlock);
+  st.block_max = mass_blocks > 0 ? t_scratch.get(4, R * mass_blocks) : nullptr;
+  st.acc = t_scratch.get(1, R * D);
+  st.row_max = t_scratch.get(2, R);
+  st.row_sum = t_scratch.get(3, R);
+  if (t_live.size() < static_cast<size_t>(R)) t_live.resize(R);
+  st.live = t_live.data();
+  if (inputs == 1) {
+    st.q = q_in[0];
+  } else {
+    float* q = t_scratch.get(5, R * D);
+    for (int64_t j = 0; j < inputs; ++j) std::copy(q_in[j], q_in[j] + rows_per_input * D, q + j * rows_per_input * D);
+    st.q = q;
+  }
+  std::fill(st.acc, st.acc + R * D, 0.0f);
+  std::fill(st.row_max, st.row_max + R, kNoMax);
+  std::fill(st.row_sum, st.row_sum + R, 0.0f);
+  return st;
+}
+
+// out [R, D] = the state's normalised outputs (zeros for a row that saw no entry).
+template <int64_t D>
+void finish_rows(const RowState& st, int64_t R, float* __restrict out) {
   for (int64_t r = 0; r < R; ++r) {
-    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;  // no visible entry: zeros
-    for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv;
+    const float inv = st.row_sum[r] > 0.0f ? 1.0f / st.row_sum[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] = st.acc[r * D + d] * inv;
   }
 }
+
+// The same task as attend_task, for D = 32, 64, 96 or 128.
+template <int64_t D, typename E>
+void attend_task(const float* __restrict q, int64_t R, int64_t T, int64_t end, const E* __restrict k,
+                 const E* __restrict v, const Entries& entries, int64_t n_entries, float* __restrict out,
+                 const MassOut& mass) {
+  const float* inputs[1] = {q};
+  const RowState st = start_rows<D>(inputs, R, 1, mass.mass ? blocks_of(n_entries) : 0);
+  attend_blocks<D, E>(st, R, T, end, k, v, entries, 0, n_entries);
+  finish_rows<D>(st, R, out);
+  if (mass.mass)
+    finish_mass(mass.mass, R, n_entries, st.scores, st.block_max, st.row_max, st.row_sum, /*base2=*/false);
+}
+
+// avx2::attend_group_task's twin: a group's shared blocks [0, shared) read once, from the first
+// member's slot, for every member's query rows stacked, then each member's own [shared, end); per
+// query row the arithmetic is attend_task's, block for block, so the outputs are bit for bit its own.
+template <int64_t D, typename E>
+void attend_group_task(const float* const* q, int64_t members, int64_t R, int64_t T, const int64_t* ends,
+                       const E* const* k, const E* const* v, int64_t shared, float* const* out) {
+  const RowState all = start_rows<D>(q, R, members, 0);
+  attend_blocks<D, E>(all, R * members, T, shared + T, k[0], v[0], Entries{}, 0, shared);
+  for (int64_t m = 0; m < members; ++m) {
+    RowState own = all;
+    own.q += m * R * D;
+    own.acc += m * R * D;
+    own.row_max += m * R;
+    own.row_sum += m * R;
+    own.scores += m * R * kBlock;
+    attend_blocks<D, E>(own, R, T, ends[m], k[m], v[m], Entries{}, shared, ends[m]);
+    finish_rows<D>(own, R, out[m]);
+  }
+}
+
+}  // namespace avx512
 #endif
 
 // Head sizes each implementation takes (where compiled in).
@@ -690,7 +779,7 @@ void run_task(const float* q, int64_t R, int64_t T, int64_t end, const E* k, con
   if (g_vector_path) {
 #ifdef MAGICDEC_AVX512
     if constexpr (avx512_covers(D)) {
-      if (mass.mass == nullptr) return attend_task_avx512<D, E>(q, R, T, end, k, v, entries, n, out);
+      return avx512::attend_task<D, E>(q, R, T, end, k, v, entries, n, out, mass);
     }
 #endif
 #ifdef MAGICDEC_AVX2
@@ -793,18 +882,44 @@ torch::Tensor attend(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v
   return out;
 }
 
-// Whether run_task would take the AVX2 task for head size D (the one with a group task): then a
-// group's shared blocks can be read once without changing a single output bit.
+// Whether run_task's implementation for head size D (without mass) has a group task: then a group's
+// shared blocks can be read once without changing a single output bit.
 bool group_task_applies(int64_t D) {
   if (!g_vector_path) return false;
 #ifdef MAGICDEC_AVX512
-  if (avx512_covers(D)) return false;  // the AVX-512 task serves it
+  if (avx512_covers(D)) return true;
 #endif
 #ifdef MAGICDEC_AVX2
-  return avx2_covers(D);
-#else
-  return false;
+  if (avx2_covers(D)) return true;
 #endif
+  return false;
+}
+
+// The group task of the implementation run_task takes for head size D (see group_task_applies).
+template <typename E>
+void run_group_task(int64_t D, const float* const* q, int64_t members, int64_t R, int64_t T, const int64_t* ends,
+                    const E* const* k, const E* const* v, int64_t shared, float* const* out) {
+#ifdef MAGICDEC_AVX512
+  switch (D) {
+#define MAGICDEC_GROUP(d) \
+  case d: return avx512::attend_group_task<d, E>(q, members, R, T, ends, k, v, shared, out);
+    MAGICDEC_GROUP(32) MAGICDEC_GROUP(64) MAGICDEC_GROUP(96) MAGICDEC_GROUP(128)
+#undef MAGICDEC_GROUP
+    default: break;
+  }
+#endif
+#ifdef MAGICDEC_AVX2
+  switch (D / avx2::kLanes) {
+#define MAGICDEC_GROUP(c) \
+  case c: return avx2::attend_group_task<c, E>(q, members, R, T, ends, k, v, shared, out);
+    MAGICDEC_GROUP(2) MAGICDEC_GROUP(3) MAGICDEC_GROUP(4) MAGICDEC_GROUP(5) MAGICDEC_GROUP(6)
+    MAGICDEC_GROUP(7) MAGICDEC_GROUP(8) MAGICDEC_GROUP(9) MAGICDEC_GROUP(10) MAGICDEC_GROUP(11)
+    MAGICDEC_GROUP(12) MAGICDEC_GROUP(13) MAGICDEC_GROUP(14) MAGICDEC_GROUP(15) MAGICDEC_GROUP(16)
+#undef MAGICDEC_GROUP
+    default: break;
+  }
+#endif
+  TORCH_CHECK(false, "no group task for head size ", D);
 }
 
 // Groups of rows (members[offsets[g] .. offsets[g + 1]), batch row indices) whose slots hold the
@@ -874,20 +989,8 @@ torch::Tensor attend_groups(torch::Tensor query, torch::Tensor k_layer, torch::T
         member_ends.push_back(ep[b]);
       }
       const int64_t m = static_cast<int64_t>(q.size());
-      bool done = false;
-#ifdef MAGICDEC_AVX2
-      if (grouped && m > 1 && shp[g] > 0) {
-        switch (D / avx2::kLanes) {
-#define MAGICDEC_GROUP(c) \
-  case c: avx2::attend_group_task<c, E>(q.data(), m, R, T, member_ends.data(), k.data(), v.data(), shp[g], o.data()); break;
-          MAGICDEC_GROUP(2) MAGICDEC_GROUP(3) MAGICDEC_GROUP(4) MAGICDEC_GROUP(5) MAGICDEC_GROUP(6)
-          MAGICDEC_GROUP(7) MAGICDEC_GROUP(8) MAGICDEC_GROUP(9) MAGICDEC_GROUP(10) MAGICDEC_GROUP(11)
-          MAGICDEC_GROUP(12) MAGICDEC_GROUP(13) MAGICDEC_GROUP(14) MAGICDEC_GROUP(15) MAGICDEC_GROUP(16)
-#undef MAGICDEC_GROUP
-        }
-        done = true;
-      }
-#endif
+      const bool done = grouped && m > 1 && shp[g] > 0;
+      if (done) run_group_task<E>(D, q.data(), m, R, T, member_ends.data(), k.data(), v.data(), shp[g], o.data());
       for (int64_t j = 0; j < m && !done; ++j)  // one member at a time, as attend_cached
         run_task_any<E>(D, q[j], R, T, member_ends[j], k[j], v[j], Entries{}, member_ends[j], o[j], MassOut{});
     }
@@ -947,7 +1050,7 @@ torch::Tensor attend_cached_shared(torch::Tensor query, torch::Tensor k_layer, t
 }
 
 // Whether attend_cached_shared reads a group's shared blocks once for head size D here (else it
-// runs each row as attend_cached does: the AVX-512 task, or no vector path).
+// runs each row as attend_cached does: no vector path, or a head size no vector task covers).
 bool shares_prefix_reads(int64_t head_dim) { return group_task_applies(head_dim); }
 
 // As attend_cached, over the listed positions only. positions: [B, kv_heads, N] int64 contiguous;
