@@ -3,10 +3,10 @@
 A decode, verification or draft forward multiplies a few rows (one to gamma + 1 per sequence) by
 every weight matrix; torch's CPU GEMM is slow at that shape (BENCHMARKS.md section 12: the kernel
 takes 1.6x less time for one step's layers and lm_head of SmolLM2-135M at 13 rows, 2.6x less for
-the lm_head alone, on a 2-core Zen 3). `linear(x, weight,
-bias)` takes the kernel for float32 on CPU with at most `MAX_ROWS` rows, else `F.linear`. The
-kernel is AVX2 (8 lanes); on CPUs with AVX-512, where torch's GEMM reached 80 GFLOP/s at 16 rows
-(section 1, against this kernel's 55-75 on the Zen 3), torch's GEMM stays: measured, not assumed.
+the lm_head alone, on a 2-core Zen 3; 1.7x less for the layers and lm_head at 13 rows on a 2-core
+Xeon with AVX-512, section 15). `linear(x, weight, bias)` takes the kernel for float32 on CPU with
+at most `MAX_ROWS` rows, else `F.linear`. The kernel uses the build's widest vectors (AVX-512, else
+AVX2 + FMA).
 
 `adopt(model)` makes a model's exact `nn.Linear` modules `EngineLinear`, a subclass whose forward
 takes `linear` only inside `engine_forward()` (the model runner's forwards), so the same module
@@ -35,10 +35,10 @@ _state: dict[str, object] = {}
 
 
 def _kernel():
-    """The compiled kernel where `linear` takes it: an AVX2 CPU without AVX-512, the switch on."""
+    """The compiled kernel where `linear` takes it: a CPU with AVX2 + FMA or AVX-512, the switch on."""
     if "kernel" not in _state:
         kernel = None
-        if os.environ.get(SWITCH_ENV, "1") != "0" and "avx512f" not in cpu_kernels.cpu_flags().split():
+        if os.environ.get(SWITCH_ENV, "1") != "0":
             kernel = cpu_kernels.load()
         _state["kernel"] = kernel if kernel is not None and kernel.small_linear_available() else None
     return _state["kernel"]
@@ -52,7 +52,8 @@ def kernel_in_use() -> bool:
 def linear_path(device: torch.device, dtype: torch.dtype) -> str:
     """Who computes decode steps' GEMMs here (for the job report)."""
     if device.type == "cpu" and dtype == torch.float32 and kernel_in_use():
-        return f"few-row CPU kernel (avx2) up to {MAX_ROWS} rows, torch above"
+        isa = "avx512" if "avx512f" in cpu_kernels.cpu_flags().split() else "avx2"
+        return f"few-row CPU kernel ({isa}) up to {MAX_ROWS} rows, torch above"
     return "torch"
 
 

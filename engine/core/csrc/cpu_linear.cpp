@@ -5,12 +5,13 @@
 // neither stream the weights at memory speed nor keep the FMA units busy: on a 2-core Zen 3, 13 rows
 // through SmolLM2-135M's layers and lm_head took 1.6x, and through the 49152-row lm_head alone 2.6x,
 // the time this kernel takes (BENCHMARKS.md section 12).
-// Here each weight tile (3 rows of W, a few KB) is read from memory once and multiplied, from L1,
-// by every row of x (4 or 3 rows at a time: up to 12 accumulators of 8 lanes along K), while the next
-// tile is prefetched; threads split W's rows.
+// Here each weight tile (3 rows of W with AVX2, 4 with AVX-512; a few KB) is read from memory once
+// and multiplied, from L1, by every row of x (4 or 3 rows at a time: up to 12 accumulators of 8 lanes
+// along K, or 16 of 16 lanes), while the next tile is prefetched; threads split W's rows. The
+// build's widest vectors are used (AVX-512 where compiled in, else AVX2 + FMA).
 //
-// Every output element is computed by the same sequence of operations (8-lane FMAs along K, one
-// fixed horizontal sum, the K tail, the bias) whatever M is and whichever rows share the call, so a
+// Every output element is computed by the same sequence of operations (FMAs along K, one fixed
+// horizontal sum, the K tail, the bias) whatever M is and whichever rows share the call, so a
 // row's result does not depend on its batch. Bindings are in cpu_attention.cpp. Not here: any other
 // dtype (bfloat16/int8 draft GEMMs live in engine/spec/draft/gemms.py), many-row GEMMs (prefill
 // chunks keep torch's), weights that are not contiguous.
@@ -24,47 +25,71 @@
 
 namespace {
 
-#ifdef MAGICDEC_AVX2
-constexpr int kTileOutputs = 3;  // rows of W per register tile: 4 x 3 accumulators + 3 W vectors + 1 x vector
-
-inline float sum8(__m256 v) {  // one fixed order of the 8 lanes
+#if defined(MAGICDEC_AVX512)
+// AVX-512: 16-lane vectors, 32 registers (4 x 4 accumulators + 4 W vectors + 1 x vector).
+constexpr int kTileOutputs = 4;  // rows of W per register tile
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) {  // one fixed order of the 16 lanes: the two halves added, then as below
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#define MAGICDEC_SMALL_LINEAR 1
+#elif defined(MAGICDEC_AVX2)
+// AVX2: 8-lane vectors, 16 registers (4 x 3 accumulators + 3 W vectors + 1 x vector).
+constexpr int kTileOutputs = 3;  // rows of W per register tile
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) {  // one fixed order of the 8 lanes: the two halves, then pairs
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+#define MAGICDEC_SMALL_LINEAR 1
+#endif
 
+#ifdef MAGICDEC_SMALL_LINEAR
 // out[i * ldo + j] = x[i] . w[j] (+ bias[j]) for MR rows x [MR, K] and NR rows w [NR, K]. With
 // `prefetch`, the next W tile's lines are asked for (into L1) while this one is multiplied.
 template <int MR, int NR>
 inline void tile(const float* __restrict x, const float* __restrict w, const float* bias, float* __restrict out,
                  int64_t K, int64_t ldo, const float* prefetch) {
-  __m256 acc[MR][NR];
+  Vec acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  const int64_t K8 = K & ~int64_t(7);
-  for (int64_t k = 0; k < K8; k += 8) {
-    if (prefetch != nullptr && (k & 15) == 0) {  // one 64-byte line per W row every other step
+    for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
+  const int64_t KV = K & ~(kLanes - 1);
+  for (int64_t k = 0; k < KV; k += kLanes) {
+    if (prefetch != nullptr && (k & 15) == 0) {  // one 64-byte line per W row every 16 floats
       for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * K + k), _MM_HINT_T0);
     }
     // The empty asm statements keep each W and x vector in a register: without them the compiler
     // folds the W loads into the FMAs and reads every W vector once per row (16 loads per 12 FMAs,
     // more than the two load ports keep up with).
-    __m256 wv[NR];
+    Vec wv[NR];
     for (int j = 0; j < NR; ++j) {
-      wv[j] = _mm256_loadu_ps(w + j * K + k);
-      asm("" : "+x"(wv[j]));
+      wv[j] = vload(w + j * K + k);
+      asm("" : "+v"(wv[j]));
     }
     for (int i = 0; i < MR; ++i) {
-      __m256 xv = _mm256_loadu_ps(x + i * K + k);
-      asm("" : "+x"(xv));
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+      Vec xv = vload(x + i * K + k);
+      asm("" : "+v"(xv));
+      for (int j = 0; j < NR; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
-      float s = sum8(acc[i][j]);
-      for (int64_t k = K8; k < K; ++k) s += x[i * K + k] * w[j * K + k];
+      float s = vsum(acc[i][j]);
+      for (int64_t k = KV; k < K; ++k) s += x[i * K + k] * w[j * K + k];
       out[i * ldo + j] = bias != nullptr ? s + bias[j] : s;
     }
 }
@@ -90,13 +115,13 @@ inline void rows_against(const float* x, const float* w, const float* bias, floa
   for (; m + 2 <= M; m += 2, prefetch = nullptr) tile<2, NR>(x + m * K, wn, bn, out + m * N + n, K, N, prefetch);
   for (; m < M; ++m, prefetch = nullptr) tile<1, NR>(x + m * K, wn, bn, out + m * N + n, K, N, prefetch);
 }
-#endif
+#endif  // MAGICDEC_SMALL_LINEAR
 
 }  // namespace
 
 // Whether small_linear has its vector implementation here (else callers keep torch's GEMM).
 bool small_linear_available() {
-#ifdef MAGICDEC_AVX2
+#ifdef MAGICDEC_SMALL_LINEAR
   return true;
 #else
   return false;
@@ -126,11 +151,11 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
       bps[i] = b.data_ptr<float>();
     }
     columns[i + 1] = columns[i] + widths[i];
-#ifdef MAGICDEC_AVX2
+#ifdef MAGICDEC_SMALL_LINEAR
     first_tile[i + 1] = first_tile[i] + (widths[i] + kTileOutputs - 1) / kTileOutputs;
 #endif
   }
-#ifdef MAGICDEC_AVX2
+#ifdef MAGICDEC_SMALL_LINEAR
   const int64_t N = columns[parts];
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -152,7 +177,7 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
   });
   return out;
 #else
-  TORCH_CHECK(false, "small_linear needs AVX2 + FMA (see small_linear_available)");
+  TORCH_CHECK(false, "small_linear needs AVX2 + FMA or AVX-512 (see small_linear_available)");
 #endif
 }
 
