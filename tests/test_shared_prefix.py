@@ -80,7 +80,8 @@ def needs_group_task(head_dim=16):
     if kernel is None:
         pytest.skip("no C++ compiler here: the fused CPU kernel (and its shared reads) cannot be built")
     if not kernel.shares_prefix_reads(head_dim):
-        pytest.skip(f"this CPU's kernel has no vector task for head size {head_dim}, so no group task that reads a prefix once")
+        pytest.skip(f"this CPU's kernel has no vector task for head size {head_dim}, so no group task "
+                    "that reads a prefix once")
 
 
 @pytest.mark.parametrize("method", ["none", "streamingllm", "snapkv"])
