@@ -87,6 +87,24 @@ def test_a_gamma_chosen_on_an_extrapolated_verify_time_is_replanned_once_measure
     assert chosen[-1] in measured + [0, GammaPolicy.PROBE_GAMMA], chosen
 
 
+def test_a_fixed_cost_per_speculative_round_does_not_hide_the_gamma_that_pays():
+    # T_V(0) = 1 but every speculative round costs ~0.9 more, whatever its gamma (e.g. the guided
+    # view's mass and selection): the line through T_V(0) and T_V(1) says no gamma pays, while
+    # gamma 4-6 is 1.6x faster. The policy tries one unmeasured gamma, then speculates deep.
+    policy = GammaPolicy("auto", gamma_max=6, replan_every=8, speculative=True)
+    verify = lambda g: 1.0 if g == 0 else 1.9 + 0.05 * g  # noqa: E731
+    chosen = []
+    for _ in range(40):
+        g = policy.next_gamma()
+        chosen.append(g)
+        policy.observe(gamma=g, rows=8, draft_s=g * 0.1, verify_s=verify(g), accepted=[min(g, round(0.9 * g))] * 8)
+    assert chosen[:2] == [0, GammaPolicy.PROBE_GAMMA]
+    assert relative_time(1, policy.alpha, 0.1, verify(1), 1.0) > 1  # the probe alone loses
+    first = next(i for i, g in enumerate(chosen) if g >= 3)
+    assert first <= 3, chosen  # tried at the first plan, not after a backed-off probe
+    assert sum(g >= 3 for g in chosen[first:]) >= 0.75 * len(chosen[first:]), chosen
+
+
 def test_fixed_gamma_and_plain_method():
     assert drive(GammaPolicy(3, 8, 16, speculative=True), 1, 0.1, 0.1, 0.8, 5) == [3] * 5
     assert drive(GammaPolicy("auto", 8, 16, speculative=False), 1, 0.1, 0.1, 0.8, 5) == [0] * 5

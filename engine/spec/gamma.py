@@ -14,7 +14,11 @@ replan periods), and a plan that speculates again resets the interval. Such a sp
 T_V replace the older averages instead of joining them (the batch may have changed since). A job
 whose speculation never pays (e.g. rows that read a shared prefix once, where the target step is
 GEMM-bound) then spends a few probe rounds, not one every period. `magicdec plan` uses the same
-functions with times predicted from a roofline instead of measured. No model code here.
+functions with times predicted from a roofline instead of measured. Where the measured and
+extrapolated costs say "plain" but an unmeasured gamma would pay even at the cost of the largest
+measured one below it, that gamma is tried once before the policy settles on plain decoding (a
+fixed per-round cost makes the straight-line extrapolation from gamma 0 and 1 overstate the others).
+No model code here.
 """
 
 from __future__ import annotations
@@ -147,8 +151,26 @@ class GammaPolicy:
         slope = sum((g - mean_g) * (t - mean_t) for g, t in points) / var if var else 0.0
         return max(mean_t + slope * (gamma - mean_g), 0.0)
 
+    def optimistic_verify_time(self, gamma: int) -> float:
+        """Measured T_V(g), or for an unmeasured g that of the largest measured gamma below it: the
+        least an unmeasured g can cost (verification never gets cheaper with more tokens)."""
+        if gamma in self.t_verify:
+            return self.t_verify[gamma].value
+        return self.t_verify[max(g for g in self.t_verify if g < gamma)].value
+
     def plan(self) -> tuple[int, float]:
         t_target = self.t_verify[0].value
         if not t_target or self.t_draft.value is None or math.isnan(t_target):
             return self.current, 1.0
-        return best_gamma(self.alpha, self.t_draft.value, self.verify_time, t_target, self.gamma_max)
+        planned = best_gamma(self.alpha, self.t_draft.value, self.verify_time, t_target, self.gamma_max)
+        if planned[0] == 0:
+            # The line through T_V(0) and T_V(1) can put every larger gamma out of reach when the
+            # step from plain to speculative carries a fixed cost (the guided view's attention mass
+            # and selection, a second token per row taking the GEMMs off their memory-bound rows).
+            # If some unmeasured g would pay even at the cost of the largest measured gamma below
+            # it, that g is tried once; its measurement replans at once (see next_gamma).
+            explore, _ = best_gamma(self.alpha, self.t_draft.value, self.optimistic_verify_time, t_target,
+                                    self.gamma_max)
+            if explore > 0 and explore not in self.t_verify:
+                return explore, 1.0
+        return planned
