@@ -4,7 +4,7 @@ Not a test: the figures behind BENCHMARKS.md's GEMM statements. For the default 
 M rows (the batch), it times every linear layer of one step (30 x q/k/v/o/gate/up/down + lm_head)
 with distinct weight tensors, so the weights come from memory as in a real step, in float32 (torch's
 GEMM, and the engine's `engine.core.linear.linear`, which takes the fused kernel's `small_linear` up
-to MAX_ROWS rows), in bfloat16 and as the draft's int8 linear maps (`make_linear`, fp32 in and out);
+to `max_rows()` rows), in bfloat16 and as the draft's int8 linear maps (`make_linear`, fp32 in and out);
 the lm_head alone both ways; and the fp32 GFLOP/s of a single layer repeated with warm caches.
 --rows takes a comma-separated list (one result per M). Writes JSON.
 

@@ -55,7 +55,7 @@ def test_linear_takes_the_kernel_only_where_it_applies(kernel):
     x, w, b = operands(5, 64, 48, seed=2)
     few = kernel.small_linear(x, w, b) if engine_linear.kernel_in_use() else F.linear(x, w, b)  # switched off: torch
     assert torch.equal(engine_linear.linear(x[None], w, b)[0], few)
-    many = torch.randn(engine_linear.MAX_ROWS + 1, 64)
+    many = torch.randn(engine_linear.max_rows() + 1, 64)
     assert torch.equal(engine_linear.linear(many, w, b), F.linear(many, w, b))
     low = x.bfloat16()
     assert torch.equal(engine_linear.linear(low, w.bfloat16()), F.linear(low, w.bfloat16()))

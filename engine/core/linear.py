@@ -5,7 +5,7 @@ every weight matrix; torch's CPU GEMM is slow at that shape (BENCHMARKS.md secti
 takes 1.6x less time for one step's layers and lm_head of SmolLM2-135M at 13 rows, 2.6x less for
 the lm_head alone, on a 2-core Zen 3; 1.7x less for the layers and lm_head at 13 rows on a 2-core
 Xeon with AVX-512, section 15). `linear(x, weight, bias)` takes the kernel for float32 on CPU with
-at most `MAX_ROWS` rows, else `F.linear`. The kernel uses the build's widest vectors (AVX-512, else
+at most `max_rows()` rows, else `F.linear`. The kernel uses the build's widest vectors (AVX-512, else
 AVX2 + FMA).
 
 `adopt(model)` makes a model's exact `nn.Linear` modules `EngineLinear`, a subclass whose forward
@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from engine.core import kernels as cpu_kernels
 
-MAX_ROWS = 128  # above this torch's GEMM is as fast (BENCHMARKS.md section 12)
+MAX_ROWS = 128  # AVX2: above this torch's GEMM is as fast (BENCHMARKS.md section 12)
+MAX_ROWS_AVX512 = 40  # AVX-512: from ~40 rows torch's GEMM is as fast (BENCHMARKS.md section 15)
 SWITCH_ENV = "MAGICDEC_SMALL_GEMM"  # "0": always torch's GEMM
 _in_engine = contextvars.ContextVar("magicdec_engine_forward", default=False)
 _state: dict[str, object] = {}
@@ -44,6 +45,13 @@ def _kernel():
     return _state["kernel"]
 
 
+def max_rows() -> int:
+    """The most rows `linear` gives the kernel on this CPU (torch's GEMM catches up sooner on AVX-512)."""
+    if "max_rows" not in _state:
+        _state["max_rows"] = MAX_ROWS_AVX512 if "avx512f" in cpu_kernels.cpu_flags().split() else MAX_ROWS
+    return _state["max_rows"]
+
+
 def kernel_in_use() -> bool:
     """Whether `linear` takes the kernel on this machine (for reports and tests)."""
     return _kernel() is not None
@@ -53,16 +61,16 @@ def linear_path(device: torch.device, dtype: torch.dtype) -> str:
     """Who computes decode steps' GEMMs here (for the job report)."""
     if device.type == "cpu" and dtype == torch.float32 and kernel_in_use():
         isa = "avx512" if "avx512f" in cpu_kernels.cpu_flags().split() else "avx2"
-        return f"few-row CPU kernel ({isa}) up to {MAX_ROWS} rows, torch above"
+        return f"few-row CPU kernel ({isa}) up to {max_rows()} rows, torch above"
     return "torch"
 
 
 def _kernel_for(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
-    """The kernel if it takes x [..., K] against these float32 weights here (1..MAX_ROWS rows on CPU),
+    """The kernel if it takes x [..., K] against these float32 weights here (1..max_rows() rows on CPU),
     else None."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if not (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
+    if not (0 < rows <= max_rows() and x.device.type == "cpu" and x.dtype == torch.float32
             and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
             and all(b is None or b.dtype == torch.float32 for b in biases)):
         return None
