@@ -124,6 +124,14 @@ void finish_mass(float* __restrict mass, int64_t R, int64_t n, const float* prob
   }
 }
 
+// out [R, D] = acc [R, D] / row_sum [R] per row (zeros for a row that saw no entry): the end of a task.
+inline void normalise_rows(const float* acc, const float* row_sum, int64_t R, int64_t D, float* __restrict out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv;
+  }
+}
+
 // Attention of R query rows over n_entries entries of one (slot, KV head) block.
 template <int64_t D, typename E>
 void attend_task(const float* __restrict q, int64_t R, int64_t T, int64_t end,
@@ -185,10 +193,7 @@ void attend_task(const float* __restrict q, int64_t R, int64_t T, int64_t end,
       for (int64_t d = 0; d < d_len; ++d) ar[d] = a[d];
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;  // no visible entry: zeros
-    for (int64_t d = 0; d < d_len; ++d) out[r * d_len + d] = acc[r * d_len + d] * inv;
-  }
+  normalise_rows(acc, row_sum, R, d_len, out);
   if (mass.mass)
     finish_mass(mass.mass, R, n_entries, all_scores, block_max, row_max, row_sum, /*base2=*/false);
 }
@@ -472,11 +477,7 @@ RowState start_rows(const float* const* q_in, int64_t rows_per_input, int64_t in
 // out [R, D] = the state's normalised outputs (zeros for a row that saw no entry).
 template <int C>
 void finish_rows(const RowState& st, int64_t R, float* __restrict out) {
-  constexpr int64_t D = C * kLanes;
-  for (int64_t r = 0; r < R; ++r) {
-    const float inv = st.row_sum[r] > 0.0f ? 1.0f / st.row_sum[r] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) out[r * D + d] = st.acc[r * D + d] * inv;
-  }
+  normalise_rows(st.acc, st.row_sum, R, C * kLanes, out);
 }
 
 template <typename E>
@@ -723,10 +724,7 @@ RowState start_rows(const float* const* q_in, int64_t rows_per_input, int64_t in
 // out [R, D] = the state's normalised outputs (zeros for a row that saw no entry).
 template <int64_t D>
 void finish_rows(const RowState& st, int64_t R, float* __restrict out) {
-  for (int64_t r = 0; r < R; ++r) {
-    const float inv = st.row_sum[r] > 0.0f ? 1.0f / st.row_sum[r] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) out[r * D + d] = st.acc[r * D + d] * inv;
-  }
+  normalise_rows(st.acc, st.row_sum, R, D, out);
 }
 
 // The same task as attend_task, for D = 32, 64, 96 or 128.

@@ -25,6 +25,15 @@
 
 namespace {
 
+#if defined(MAGICDEC_AVX512) || defined(MAGICDEC_AVX2)
+inline float sum8(__m256 v) {  // one fixed order of 8 lanes: the two halves, then pairs
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 #if defined(MAGICDEC_AVX512)
 // AVX-512: 16-lane vectors, 32 registers (4 x 4 accumulators + 4 W vectors + 1 x vector).
 constexpr int kTileOutputs = 4;  // rows of W per register tile
@@ -33,12 +42,9 @@ using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) {  // one fixed order of the 16 lanes: the two halves added, then as below
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+inline float vsum(Vec v) {  // one fixed order of the 16 lanes: the two halves added, then sum8's
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));  // AVX-512F only
+  return sum8(_mm256_add_ps(_mm512_castps512_ps256(v), high));
 }
 #define MAGICDEC_SMALL_LINEAR 1
 #elif defined(MAGICDEC_AVX2)
@@ -49,12 +55,7 @@ using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) {  // one fixed order of the 8 lanes: the two halves, then pairs
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline float vsum(Vec v) { return sum8(v); }
 #define MAGICDEC_SMALL_LINEAR 1
 #endif
 
