@@ -124,6 +124,13 @@ void finish_mass(float* __restrict mass, int64_t R, int64_t n, const float* prob
   }
 }
 
+// An online-softmax state of R query rows before any entry: outputs [R, D] zero, maxima "none", sums 0.
+inline void clear_rows(float* acc, float* row_max, float* row_sum, int64_t R, int64_t D) {
+  std::fill(acc, acc + R * D, 0.0f);
+  std::fill(row_max, row_max + R, kNoMax);
+  std::fill(row_sum, row_sum + R, 0.0f);
+}
+
 // out [R, D] = acc [R, D] / row_sum [R] per row (zeros for a row that saw no entry): the end of a task.
 inline void normalise_rows(const float* acc, const float* row_sum, int64_t R, int64_t D, float* __restrict out) {
   for (int64_t r = 0; r < R; ++r) {
@@ -144,9 +151,7 @@ void attend_task(const float* __restrict q, int64_t R, int64_t T, int64_t end,
   float* row_max = t_scratch.get(2, R);
   float* row_sum = t_scratch.get(3, R);
   float* block_max = mass.mass ? t_scratch.get(4, R * n_blocks) : nullptr;
-  std::fill(acc, acc + R * d_len, 0.0f);
-  std::fill(row_max, row_max + R, kNoMax);
-  std::fill(row_sum, row_sum + R, 0.0f);
+  clear_rows(acc, row_max, row_sum, R, d_len);
   int64_t pos[kBlock], rows[kBlock];
   for (int64_t start = 0; start < n_entries; start += kBlock) {
     const int64_t n = std::min(kBlock, n_entries - start);
@@ -468,9 +473,7 @@ RowState start_rows(const float* const* q_in, int64_t rows_per_input, int64_t in
     float* qj = st.q + j * rows_per_input * D;
     for (int64_t i = 0; i < rows_per_input * D; ++i) qj[i] = q_in[j][i] * kLog2e;
   }
-  std::fill(st.acc, st.acc + R * D, 0.0f);
-  std::fill(st.row_max, st.row_max + R, kNoMax);
-  std::fill(st.row_sum, st.row_sum + R, 0.0f);
+  clear_rows(st.acc, st.row_max, st.row_sum, R, D);
   return st;
 }
 
@@ -715,9 +718,7 @@ RowState start_rows(const float* const* q_in, int64_t rows_per_input, int64_t in
     for (int64_t j = 0; j < inputs; ++j) std::copy(q_in[j], q_in[j] + rows_per_input * D, q + j * rows_per_input * D);
     st.q = q;
   }
-  std::fill(st.acc, st.acc + R * D, 0.0f);
-  std::fill(st.row_max, st.row_max + R, kNoMax);
-  std::fill(st.row_sum, st.row_sum + R, 0.0f);
+  clear_rows(st.acc, st.row_max, st.row_sum, R, D);
   return st;
 }
 
