@@ -139,6 +139,39 @@ inline void normalise_rows(const float* acc, const float* row_sum, int64_t R, in
   }
 }
 
+// The online-softmax state of R query rows of a vector task (pointers into a task's scratch): queries
+// [R, D] (in log2 units for the AVX2 task), unnormalised outputs [R, D], running max and sum [R], the
+// current block's scores, then probabilities [R, kBlock] (with mass: every block's, [n_blocks, R,
+// kBlock], and each block's max [R, n_blocks], as MassOut describes). AVX2 also keeps each block's
+// rescale per row (corr), AVX-512 room for R row indices (live: the rows that see the block).
+struct RowState {
+  const float* q;
+  float* acc;
+  float* row_max;
+  float* row_sum;
+  float* scores;
+  float* corr = nullptr;
+  int* live = nullptr;
+  float* block_max = nullptr;  // non-null: keep every block's probabilities for the mass
+  int64_t n_blocks = 1;
+};
+
+// out [R, D] = the state's normalised outputs (zeros for a row that saw no entry).
+inline void finish_rows(const RowState& st, int64_t R, int64_t D, float* __restrict out) {
+  normalise_rows(st.acc, st.row_sum, R, D, out);
+}
+
+// Member m's R query rows of a group's state whose members' rows are stacked (no mass kept).
+inline RowState member_rows(RowState st, int64_t m, int64_t R, int64_t D) {
+  st.q += m * R * D;
+  st.acc += m * R * D;
+  st.row_max += m * R;
+  st.row_sum += m * R;
+  st.scores += m * R * kBlock;
+  if (st.corr != nullptr) st.corr += m * R;
+  return st;
+}
+
 // Attention of R query rows over n_entries entries of one (slot, KV head) block.
 template <int64_t D, typename E>
 void attend_task(const float* __restrict q, int64_t R, int64_t T, int64_t end,
@@ -306,20 +339,6 @@ inline void value_rows(float* acc, const float* p, int64_t p_stride, const float
                         full * kValueChunks * kLanes, n);
 }
 
-// The online-softmax state of R query rows (pointers into a task's scratch): queries in log2 units
-// [R, D], unnormalised outputs [R, D], running max and sum [R], each block's rescale [R], the block's
-// scores [R, kBlock] (with mass: every block's, [n_blocks, R, kBlock], and each block's max [R, n_blocks]).
-struct RowState {
-  float* q;
-  float* acc;
-  float* row_max;
-  float* row_sum;
-  float* corr;
-  float* scores;
-  float* block_max = nullptr;  // non-null: keep every block's probabilities for the mass
-  int64_t n_blocks = 1;
-};
-
 // Entries [first, n_entries) (first a multiple of kBlock) folded into the state of R query rows,
 // block by block: same arithmetic per query row whatever R is and whichever rows share the call.
 template <int C, typename E>
@@ -467,21 +486,17 @@ RowState start_rows(const float* const* q_in, int64_t rows_per_input, int64_t in
   st.row_max = t_scratch.get(2, R);
   st.row_sum = t_scratch.get(3, R);
   st.block_max = mass_blocks > 0 ? t_scratch.get(4, R * mass_blocks) : nullptr;
-  st.q = t_scratch.get(5, R * D);
+  float* q = t_scratch.get(5, R * D);
+  st.q = q;
   st.corr = t_scratch.get(7, R);
   for (int64_t j = 0; j < inputs; ++j) {
-    float* qj = st.q + j * rows_per_input * D;
+    float* qj = q + j * rows_per_input * D;
     for (int64_t i = 0; i < rows_per_input * D; ++i) qj[i] = q_in[j][i] * kLog2e;
   }
   clear_rows(st.acc, st.row_max, st.row_sum, R, D);
   return st;
 }
 
-// out [R, D] = the state's normalised outputs (zeros for a row that saw no entry).
-template <int C>
-void finish_rows(const RowState& st, int64_t R, float* __restrict out) {
-  normalise_rows(st.acc, st.row_sum, R, C * kLanes, out);
-}
 
 template <typename E>
 float* widen_scratch(int64_t D) {  // a K block, then a V block, widened to float32 (bfloat16 K/V only)
@@ -500,7 +515,7 @@ void attend_task(const float* __restrict q_in, int64_t R, int64_t T, int64_t end
   const float* inputs[1] = {q_in};
   const RowState st = start_rows<C>(inputs, R, 1, mass.mass ? n_blocks : 0);
   attend_blocks<C, E>(st, R, T, end, k, v, entries, 0, n_entries, widen_scratch<E>(C * kLanes));
-  finish_rows<C>(st, R, out);
+  finish_rows(st, R, C * kLanes, out);
   if (mass.mass) finish_mass(mass.mass, R, n_entries, st.scores, st.block_max, st.row_max, st.row_sum, /*base2=*/true);
 }
 
@@ -517,14 +532,9 @@ void attend_group_task(const float* const* q, int64_t members, int64_t R, int64_
   float* widened = widen_scratch<E>(D);
   attend_blocks<C, E>(all, R * members, T, shared + T, k[0], v[0], Entries{}, 0, shared, widened);
   for (int64_t m = 0; m < members; ++m) {
-    RowState own = all;
-    own.q += m * R * D;
-    own.acc += m * R * D;
-    own.row_max += m * R;
-    own.row_sum += m * R;
-    own.corr += m * R;
+    const RowState own = member_rows(all, m, R, D);
     attend_blocks<C, E>(own, R, T, ends[m], k[m], v[m], Entries{}, shared, ends[m], widened);
-    finish_rows<C>(own, R, out[m]);
+    finish_rows(own, R, D, out[m]);
   }
 }
 
@@ -577,21 +587,6 @@ inline void accumulate_values(float* const* out, const float* const* p, const E*
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[g] + 16 * c, acc[g][c]);
 }
-
-// The online-softmax state of R query rows (pointers into a task's scratch): queries [R, D],
-// unnormalised outputs [R, D], running max and sum [R], the current block's scores, then
-// probabilities [R, kBlock] (with mass: every block's, [n_blocks, R, kBlock], and each block's max
-// [R, n_blocks], as MassOut describes), and room for R row indices (the rows that see the block).
-struct RowState {
-  const float* q;
-  float* acc;
-  float* row_max;
-  float* row_sum;
-  float* scores;
-  int* live;
-  float* block_max = nullptr;  // non-null: keep every block's probabilities for the mass
-  int64_t n_blocks = 1;
-};
 
 thread_local std::vector<int> t_live;  // RowState::live (per thread, kept between tasks)
 
@@ -722,11 +717,6 @@ RowState start_rows(const float* const* q_in, int64_t rows_per_input, int64_t in
   return st;
 }
 
-// out [R, D] = the state's normalised outputs (zeros for a row that saw no entry).
-template <int64_t D>
-void finish_rows(const RowState& st, int64_t R, float* __restrict out) {
-  normalise_rows(st.acc, st.row_sum, R, D, out);
-}
 
 // The same task as attend_task, for D = 32, 64, 96 or 128.
 template <int64_t D, typename E>
@@ -736,7 +726,7 @@ void attend_task(const float* __restrict q, int64_t R, int64_t T, int64_t end, c
   const float* inputs[1] = {q};
   const RowState st = start_rows<D>(inputs, R, 1, mass.mass ? blocks_of(n_entries) : 0);
   attend_blocks<D, E>(st, R, T, end, k, v, entries, 0, n_entries);
-  finish_rows<D>(st, R, out);
+  finish_rows(st, R, D, out);
   if (mass.mass)
     finish_mass(mass.mass, R, n_entries, st.scores, st.block_max, st.row_max, st.row_sum, /*base2=*/false);
 }
@@ -750,14 +740,9 @@ void attend_group_task(const float* const* q, int64_t members, int64_t R, int64_
   const RowState all = start_rows<D>(q, R, members, 0);
   attend_blocks<D, E>(all, R * members, T, shared + T, k[0], v[0], Entries{}, 0, shared);
   for (int64_t m = 0; m < members; ++m) {
-    RowState own = all;
-    own.q += m * R * D;
-    own.acc += m * R * D;
-    own.row_max += m * R;
-    own.row_sum += m * R;
-    own.scores += m * R * kBlock;
+    const RowState own = member_rows(all, m, R, D);
     attend_blocks<D, E>(own, R, T, ends[m], k[m], v[m], Entries{}, shared, ends[m]);
-    finish_rows<D>(own, R, out[m]);
+    finish_rows(own, R, D, out[m]);
   }
 }
 
