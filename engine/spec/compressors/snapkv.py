@@ -71,11 +71,13 @@ def window_scores(queries: torch.Tensor, keys: torch.Tensor, prompt_len: int) ->
     heads, window, D = queries.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
-    q = queries.float().reshape(kv_heads, group * window, D)  # heads of a group are contiguous
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * D ** -0.5  # [kv_heads, group * window, P]
-    query_pos = prompt_len - window + torch.arange(window, device=keys.device)  # [window]
-    future = torch.arange(prompt_len, device=keys.device)[None, :] > query_pos[:, None]  # [window, P]
-    logits = logits.view(kv_heads, group, window, prompt_len).masked_fill(future, float("-inf"))
+    # Scaled before the product (one small [heads, window, D] multiply, not one over every logit);
+    # heads of a group are contiguous.
+    q = queries.float().reshape(kv_heads, group, window, D) * D ** -0.5
+    logits = torch.einsum("hgwd,hpd->hgwp", q, keys.float())  # [kv_heads, group, window, P]
+    # Only the window's own positions can be in a window query's future: mask those in place.
+    future = torch.ones(window, window, dtype=torch.bool, device=keys.device).triu_(1)  # [query, position]
+    logits[..., prompt_len - window:].masked_fill_(future, float("-inf"))
     return logits.softmax(dim=-1).sum(dim=(1, 2))  # [kv_heads, P]
 
 
