@@ -52,6 +52,13 @@ using namespace magicdec_vec;
 constexpr int64_t kBlock = 64;    // entries per online-softmax block (a K and a V block fit in L1)
 constexpr int64_t kMaxHeadDim = 256;  // the portable task's stack row; the vector ones stop at 128
 bool g_vector_path = true;        // a vector task where one applies (tests switch it off)
+// Code shared by a one-row and a group task, compiled once instead of inlined into each: under
+// -ffast-math each inlined copy may be vectorised differently, and the outputs must be the same bits.
+#if defined(__GNUC__)
+#define MAGICDEC_ONE_COPY __attribute__((noinline))
+#else
+#define MAGICDEC_ONE_COPY
+#endif
 
 template <int64_t D, typename E>
 inline float dot(const float* __restrict a, const E* __restrict b, int64_t d_len) {
@@ -132,7 +139,10 @@ inline void clear_rows(float* acc, float* row_max, float* row_sum, int64_t R, in
 }
 
 // out [R, D] = acc [R, D] / row_sum [R] per row (zeros for a row that saw no entry): the end of a task.
-inline void normalise_rows(const float* acc, const float* row_sum, int64_t R, int64_t D, float* __restrict out) {
+// Never inlined (MAGICDEC_ONE_COPY): its copies inlined into the AVX2 one-row and group tasks were
+// vectorised differently and gave different bits at head size 16 on a Zen 3 (test_kernels.py).
+MAGICDEC_ONE_COPY void normalise_rows(const float* acc, const float* row_sum, int64_t R, int64_t D,
+                                     float* __restrict out) {
   for (int64_t r = 0; r < R; ++r) {
     const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
     for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv;
@@ -341,10 +351,11 @@ inline void value_rows(float* acc, const float* p, int64_t p_stride, const float
 
 // Entries [first, n_entries) (first a multiple of kBlock) folded into the state of R query rows,
 // block by block: same arithmetic per query row whatever R is and whichever rows share the call.
+// Never inlined (MAGICDEC_ONE_COPY), for the reason normalise_rows gives.
 template <int C, typename E>
-void attend_blocks(const RowState& st, int64_t R, int64_t T, int64_t end, const E* __restrict k,
-                   const E* __restrict v, const Entries& entries, int64_t first, int64_t n_entries,
-                   float* widened) {
+MAGICDEC_ONE_COPY void attend_blocks(const RowState& st, int64_t R, int64_t T, int64_t end,
+                                     const E* __restrict k, const E* __restrict v, const Entries& entries,
+                                     int64_t first, int64_t n_entries, float* widened) {
   constexpr int64_t D = C * kLanes;
   constexpr bool kWiden = !std::is_same<E, float>::value;
   const float* q = st.q;
@@ -597,8 +608,9 @@ thread_local std::vector<int> t_live;  // RowState::live (per thread, kept betwe
 // update, then the values, up to kGroup query rows per pass over the block's V rows (from L1 after the
 // first pass). Per query row the arithmetic does not depend on R or on which rows share the call.
 template <int64_t D, typename E>
-void attend_blocks(const RowState& st, int64_t R, int64_t T, int64_t end, const E* __restrict k,
-                   const E* __restrict v, const Entries& entries, int64_t first, int64_t n_entries) {
+MAGICDEC_ONE_COPY void attend_blocks(const RowState& st, int64_t R, int64_t T, int64_t end,
+                                     const E* __restrict k, const E* __restrict v, const Entries& entries,
+                                     int64_t first, int64_t n_entries) {
   constexpr int C = D / 16;
   constexpr int kGroup = D <= 64 ? 4 : 2;  // query rows per pass over V (accumulators in registers)
   int64_t pos[kBlock];
