@@ -1,0 +1,58 @@
+// A probe, not the engine's kernel: a few-row GEMM that reads the default model's GGUF Q4_1 blocks
+// (per 32 weights: fp16 scale d, fp16 minimum m, 16 bytes of nibbles; weight j is the low nibble of
+// byte j for j < 16, the high nibble of byte j - 16 after) and de-quantises each block in float32
+// as gguf-py does (d * q, then + m, two roundings, no FMA), then multiplies it by the rows.
+// One output at a time with a horizontal sum: the simplest shape, to size the lever before building
+// it into engine/core/csrc. AVX-512 only. Used by benchmarks/q4_1_probe.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+template <int ROWS>
+static void q4_1_rows(const float* x, const uint8_t* blocks, float* out, int64_t n_out, int64_t k_in) {
+  // x [ROWS, k_in] row-major, blocks [n_out, k_in / 32, 20 bytes], out [ROWS, n_out]
+  const int64_t per_row = k_in / 32;
+  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t n = begin; n < end; ++n) {
+      __m512 acc[ROWS];
+      for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+      const uint8_t* block = blocks + n * per_row * 20;
+      for (int64_t j = 0; j < per_row; ++j, block += 20) {
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(block)));
+        const __m512 m = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(block + 2)));
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+        const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low4)));
+        const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low4)));
+        const __m512 w_lo = _mm512_add_ps(_mm512_mul_ps(d, q_lo), m);
+        const __m512 w_hi = _mm512_add_ps(_mm512_mul_ps(d, q_hi), m);
+        const float* xk = x + j * 32;
+        for (int r = 0; r < ROWS; ++r) {
+          acc[r] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xk + r * k_in), acc[r]);
+          acc[r] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(xk + r * k_in + 16), acc[r]);
+        }
+      }
+      for (int r = 0; r < ROWS; ++r) out[r * n_out + n] = _mm512_reduce_add_ps(acc[r]);
+    }
+  });
+}
+
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor blocks, int64_t n_out) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.size(1) % 32 == 0, "x: [rows, 32k] float32");
+  const int64_t rows = x.size(0), k_in = x.size(1);
+  TORCH_CHECK(blocks.numel() == n_out * (k_in / 32) * 20, "blocks: n_out * k_in / 32 blocks of 20 bytes");
+  auto out = torch::empty({rows, n_out}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (rows) {
+    case 1: q4_1_rows<1>(xp, bp, op, n_out, k_in); break;
+    case 4: q4_1_rows<4>(xp, bp, op, n_out, k_in); break;
+    case 13: q4_1_rows<13>(xp, bp, op, n_out, k_in); break;
+    case 16: q4_1_rows<16>(xp, bp, op, n_out, k_in); break;
+    default: TORCH_CHECK(false, "the probe is built for 1, 4, 13 or 16 rows");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("q4_1_linear", &q4_1_linear); }

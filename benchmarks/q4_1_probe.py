@@ -1,0 +1,120 @@
+"""How much a few-row GEMM reading the GGUF's Q4_1 blocks would save on one decode step's layers.
+
+Not a test and not the engine: a probe sizing the next lever for decode (BENCHMARKS.md section 18).
+It reads the default model's GGUF, checks that `d * q + m` in float32 gives exactly the weights the
+engine's conversion wrote (q/k rows come permuted: transformers undoes llama.cpp's RoPE row order),
+then times the 210 layer GEMMs of one step (30 x q/k/v/o/gate/up/down, distinct weights, so they come
+from memory) at M rows: the engine's float32 kernel (`small_linear`) against the probe kernel of
+`q4_1_probe.cpp`, which reads the 4-bit blocks (0.625 bytes a weight against 4). AVX-512 only.
+The lm_head (Q8_0 in the file) is not in it. Writes JSON.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/q4_1_probe.py --rows 1,4,13,16 --out benchmarks/results/q4_1_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from torch.utils.cpp_extension import load
+
+from engine.core import kernels
+from engine.models.gguf import converted_gguf_folder
+from engine.models.registry import DEFAULT_MODEL, packaged_gguf
+
+PROJECTIONS = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+
+
+def dequantise(blocks: np.ndarray, n_out: int) -> torch.Tensor:
+    """Q4_1 blocks [n, 20] -> float32 [n_out, K], as gguf-py does: d * q, then + m."""
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    nibbles = blocks[:, 4:]
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=1).astype(np.float32)
+    return torch.from_numpy(d * q + m).reshape(n_out, -1).contiguous()
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,13,16")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if not {"avx512f", "avx512bw", "avx512vl", "f16c"} <= set(kernels.cpu_flags().split()):
+        raise SystemExit("q4_1_probe: the probe kernel needs AVX-512 (F, BW, VL) and F16C")
+
+    gguf_path = packaged_gguf(DEFAULT_MODEL)
+    converted = load_file(converted_gguf_folder(gguf_path) / "model.safetensors")
+
+    probe = load("magicdec_q4_1_probe", [str(Path(__file__).with_suffix(".cpp"))],
+                 extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c", "-mfma", "-fopenmp"])
+    fp32_kernel = kernels.load()
+    reader = gguf.GGUFReader(gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+
+    layers, exact, permuted = [], 0, 0
+    hf_names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+    for layer in range(30):
+        for proj in PROJECTIONS:
+            t = tensors[f"blk.{layer}.{proj}.weight"]
+            assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1, (t.name, t.tensor_type)
+            n_out = int(t.shape[1])
+            blocks = np.ascontiguousarray(np.asarray(t.data)).reshape(-1, 20)
+            weight = dequantise(blocks, n_out)
+            engine_weight = converted[f"model.layers.{layer}.{hf_names[proj]}.weight"]
+            if torch.equal(weight, engine_weight):
+                exact += 1
+            else:  # q/k: llama.cpp interleaves each 64-row head's two RoPE halves; transformers undoes it
+                assert proj in ("attn_q", "attn_k"), t.name
+                heads = n_out // 64
+                unpermuted = weight.view(heads, 32, 2, -1).transpose(1, 2).reshape(n_out, -1)
+                assert torch.equal(unpermuted, engine_weight), t.name
+                permuted += 1
+            layers.append((torch.from_numpy(blocks.reshape(-1).copy()), weight, n_out))
+
+    results = []
+    for rows in [int(r) for r in args.rows.split(",")]:
+        xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+        blocks, weight, n_out = layers[0]
+        err = (probe.q4_1_linear(xs[576], blocks, n_out) - xs[576] @ weight.T).abs().max().item()
+        q4 = best_ms(lambda: [probe.q4_1_linear(xs[w.shape[1]], b, n) for b, w, n in layers], args.repeats)
+        fp32 = best_ms(lambda: [fp32_kernel.small_linear(xs[w.shape[1]], w, None) for _, w, _ in layers],
+                       args.repeats)
+        results.append({"rows": rows, "fp32_kernel_ms": round(fp32, 2), "q4_1_probe_ms": round(q4, 2),
+                        "ratio": round(fp32 / q4, 2), "probe_max_abs_err_vs_torch_matmul": err})
+        print(results[-1], flush=True)
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_model(),
+           "threads": torch.get_num_threads(), "weights_exact": exact, "weights_row_permuted": permuted,
+           "layer_gemms_per_step": len(layers), "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
