@@ -1,7 +1,8 @@
 // A probe, not the engine's kernel: a few-row GEMM that reads the default model's GGUF Q4_1 blocks
 // (per 32 weights: fp16 scale d, fp16 minimum m, 16 bytes of nibbles; weight j is the low nibble of
 // byte j for j < 16, the high nibble of byte j - 16 after) and de-quantises each block in float32
-// as gguf-py does (d * q, then + m, two roundings, no FMA), then multiplies it by the rows.
+// as gguf-py does (d * q, then + m, two roundings: built with -ffp-contract=off so they stay
+// unfused), then multiplies it by the rows.
 // Two shapes, to size the lever before building it into engine/core/csrc: one output at a time with
 // a horizontal sum (the simplest), and two outputs per pass sharing each row's loads. AVX-512 only.
 // Used by benchmarks/q4_1_probe.py.

@@ -72,7 +72,8 @@ def main() -> None:
     converted = load_file(converted_gguf_folder(gguf_path) / "model.safetensors")
 
     probe = load("magicdec_q4_1_probe", [str(Path(__file__).with_suffix(".cpp"))],
-                 extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c", "-mfma", "-fopenmp"])
+                 extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c", "-mfma", "-fopenmp",
+                                "-ffp-contract=off"])
     fp32_kernel = kernels.load()
     reader = gguf.GGUFReader(gguf_path)
     tensors = {t.name: t for t in reader.tensors}
