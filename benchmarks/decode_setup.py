@@ -1,10 +1,11 @@
-"""Shared by the step micro-benchmarks (step_profile.py, draft_step.py): the real default model over a
-cache of random K/V, and a median timer. A decode step's cost does not depend on the cached values.
-Not a benchmark itself."""
+"""Shared by the step micro-benchmarks (step_profile.py, draft_step.py, q4_1_probe.py) and job_bench.py:
+the real default model over a cache of random K/V, a median timer and the CPU's model name. A decode
+step's cost does not depend on the cached values. Not a benchmark itself."""
 
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +34,13 @@ def median_seconds(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (for a result's provenance), else the platform's word."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                platform.processor() or platform.machine())
 
 
 def random_cache_runner(batch: int, context: int) -> tuple[LoadedModel, ModelRunner, torch.Tensor]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -133,11 +132,10 @@ def main() -> None:
               f"({s['prefill_gflops']:.0f} GFLOP/s), "
               f"decode {s['decode_tokens_per_s']:.1f} tok/s, matmul {s['matmul_gflops']:.0f} GFLOP/s", flush=True)
     import torch
+    from decode_setup import cpu_model_name
 
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
-                 platform.processor() or platform.machine())
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": model,
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_model_name(),
             "cpus": os.cpu_count(), "native_bf16": "avx512_bf16" in cpuinfo or "amx_bf16" in cpuinfo,
             "threads": torch.get_num_threads(), "input": args.input, "recipe": args.recipe, "common": args.common,
             "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}

@@ -9,14 +9,14 @@ from memory) at M rows: the engine's float32 kernel (`small_linear`) against the
 weight against 4). AVX-512 only.
 The lm_head (Q8_0 in the file) is not in it. Writes JSON.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/q4_1_probe.py --rows 1,4,13,16 --out benchmarks/results/q4_1_probe.json
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/q4_1_probe.py --rows 1,4,13,16 --out benchmarks/results/q4_1_probe.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -26,11 +26,15 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.cpp_extension import load
 
+from decode_setup import cpu_model_name, median_seconds
 from engine.core import kernels
 from engine.models.gguf import converted_gguf_folder
 from engine.models.registry import DEFAULT_MODEL, packaged_gguf
 
-PROJECTIONS = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+# A layer's linears: the GGUF's name -> transformers' (under model.layers.<i>.)
+PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
 
 
 def dequantise(blocks: np.ndarray, n_out: int) -> torch.Tensor:
@@ -40,23 +44,6 @@ def dequantise(blocks: np.ndarray, n_out: int) -> torch.Tensor:
     nibbles = blocks[:, 4:]
     q = np.concatenate([nibbles & 15, nibbles >> 4], axis=1).astype(np.float32)
     return torch.from_numpy(d * q + m).reshape(n_out, -1).contiguous()
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
 
 
 def main() -> None:
@@ -79,17 +66,14 @@ def main() -> None:
     tensors = {t.name: t for t in reader.tensors}
 
     layers, exact, permuted = [], 0, 0
-    hf_names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
     for layer in range(30):
-        for proj in PROJECTIONS:
+        for proj, hf_name in PROJECTIONS.items():
             t = tensors[f"blk.{layer}.{proj}.weight"]
             assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1, (t.name, t.tensor_type)
             n_out = int(t.shape[1])
             blocks = np.ascontiguousarray(np.asarray(t.data)).reshape(-1, 20)
             weight = dequantise(blocks, n_out)
-            engine_weight = converted[f"model.layers.{layer}.{hf_names[proj]}.weight"]
+            engine_weight = converted[f"model.layers.{layer}.{hf_name}.weight"]
             if torch.equal(weight, engine_weight):
                 exact += 1
             else:  # q/k: llama.cpp interleaves each 64-row head's two RoPE halves; transformers undoes it
@@ -109,16 +93,17 @@ def main() -> None:
             got = probe.q4_1_linear(xs[576], blocks, n_out, pairs)
             key = "max_abs_err_vs_torch_matmul" + ("_two_outputs" if pairs else "_one_output")
             row[key] = (got - xs[576] @ weight.T).abs().max().item()
-        fp32 = best_ms(lambda: [fp32_kernel.small_linear(xs[w.shape[1]], w, None) for _, w, _ in layers],
-                       args.repeats)
-        one = best_ms(lambda: [probe.q4_1_linear(xs[w.shape[1]], b, n, False) for b, w, n in layers], args.repeats)
-        two = best_ms(lambda: [probe.q4_1_linear(xs[w.shape[1]], b, n, True) for b, w, n in layers], args.repeats)
+        fp32, one, two = (1e3 * median_seconds(fn, args.repeats) for fn in (
+            lambda: [fp32_kernel.small_linear(xs[w.shape[1]], w, None) for _, w, _ in layers],
+            lambda: [probe.q4_1_linear(xs[w.shape[1]], b, n, False) for b, w, n in layers],
+            lambda: [probe.q4_1_linear(xs[w.shape[1]], b, n, True) for b, w, n in layers]))
         row.update({"fp32_kernel_ms": round(fp32, 2), "q4_1_one_output_ms": round(one, 2),
                     "q4_1_two_outputs_ms": round(two, 2), "ratio_one": round(fp32 / one, 2),
                     "ratio_two": round(fp32 / two, 2)})
         results.append(row)
         print(results[-1], flush=True)
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_model(),
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_model_name(),
+           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
            "threads": torch.get_num_threads(), "weights_exact": exact, "weights_row_permuted": permuted,
            "layer_gemms_per_step": len(layers), "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
