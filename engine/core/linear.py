@@ -13,8 +13,13 @@ takes `linear` only inside `engine_forward()` (the model runner's forwards), so 
 called by anyone else, transformers' own `generate` in the tests included, runs `F.linear` as
 before. The kernel's result for a row does not depend on the other rows of the call, so a row
 decodes the same alone or in any batch. `MAGICDEC_SMALL_GEMM=0` turns it off (for side-by-side
-benchmarks). Not here: low-precision draft GEMMs (`engine.spec.draft.gemms`), sharded layers
-(DeepSpeed's keep their own forward), attention.
+benchmarks).
+
+A module may carry `packed`, the GGUF blocks its float32 weight was de-quantised from (Q4_1 or Q8_0,
+attached by `engine.models.gguf_blocks` after checking they de-quantise to exactly that weight): the
+kernel then reads the blocks (0.625 or 1.06 bytes a weight instead of 4) and gives the same bits;
+`MAGICDEC_GGUF_BLOCKS=0` reads the float32 copy instead. Not here: low-precision draft GEMMs
+(`engine.spec.draft.gemms`), sharded layers (DeepSpeed's keep their own forward), attention.
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.core import kernels as cpu_kernels
+from engine.models.gguf_blocks import PackedWeight
 
 MAX_ROWS = 128  # AVX2: above this torch's GEMM is as fast (BENCHMARKS.md section 12)
 MAX_ROWS_AVX512 = 40  # AVX-512: from ~40 rows torch's GEMM is as fast (BENCHMARKS.md section 15)
 SWITCH_ENV = "MAGICDEC_SMALL_GEMM"  # "0": always torch's GEMM
+BLOCKS_ENV = "MAGICDEC_GGUF_BLOCKS"  # "0": the kernel reads float32 weights even where blocks are attached
+FORMATS = {"q4_1": 1, "q8_0": 2}  # GGUF block formats -> the kernel's ids (cpu_linear.cpp's WeightFormat)
 _in_engine = contextvars.ContextVar("magicdec_engine_forward", default=False)
 _state: dict[str, object] = {}
 
@@ -45,6 +53,16 @@ def _kernel():
     return _state["kernel"]
 
 
+def _blocks_read() -> frozenset[str]:
+    """The block formats the kernel reads here (none with the switch off or without the kernel)."""
+    if "formats" not in _state:
+        kernel = _kernel()
+        compiled = set(kernel.small_linear_formats()) if kernel is not None else set()
+        on = os.environ.get(BLOCKS_ENV, "1") != "0"
+        _state["formats"] = frozenset(name for name, ident in FORMATS.items() if on and ident in compiled)
+    return _state["formats"]
+
+
 def max_rows() -> int:
     """The most rows `linear` gives the kernel on this CPU (torch's GEMM catches up sooner on AVX-512)."""
     if "max_rows" not in _state:
@@ -57,11 +75,17 @@ def kernel_in_use() -> bool:
     return _kernel() is not None
 
 
-def linear_path(device: torch.device, dtype: torch.dtype) -> str:
-    """Who computes decode steps' GEMMs here (for the job report)."""
+def linear_path(device: torch.device, dtype: torch.dtype, model: torch.nn.Module | None = None) -> str:
+    """Who computes decode steps' GEMMs here (for the job report), and from which weights."""
     if device.type == "cpu" and dtype == torch.float32 and kernel_in_use():
         isa = "avx512" if "avx512f" in cpu_kernels.cpu_flags().split() else "avx2"
-        return f"few-row CPU kernel ({isa}) up to {max_rows()} rows, torch above"
+        path = f"few-row CPU kernel ({isa}) up to {max_rows()} rows, torch above"
+        packed = [m.packed.format for m in (model.modules() if model is not None else [])
+                  if isinstance(m, EngineLinear) and m.packed is not None and m.packed.format in _blocks_read()]
+        if packed:
+            counts = ", ".join(f"{packed.count(name)} {name.upper()}" for name in sorted(set(packed)))
+            path += f"; reads GGUF blocks for {counts} weights"
+        return path
     return "torch"
 
 
@@ -77,24 +101,38 @@ def _kernel_for(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch
     return _kernel()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]: the kernel where it applies, else F.linear."""
+def _blocks_args(packed: list[PackedWeight | None]) -> dict:
+    """The kernel's blocks/formats arguments for weights that carry blocks it reads here (else none)."""
+    formats = _blocks_read()
+    if not any(p is not None and p.format in formats for p in packed):
+        return {}
+    use = [p if p is not None and p.format in formats else None for p in packed]
+    return {"blocks": [p.blocks if p is not None else None for p in use],
+            "formats": [FORMATS[p.format] if p is not None else 0 for p in use]}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: PackedWeight | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]: the kernel where it applies (reading
+    `packed`'s blocks if given and read here), else F.linear."""
     kernel = _kernel_for(x, [weight], [bias])
     if kernel is not None:
-        out = kernel.small_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight,
-                                  bias.contiguous() if bias is not None else None)
+        out = kernel.small_linear_cat(x.reshape(-1, x.shape[-1]).contiguous(), [weight],
+                                      [bias.contiguous() if bias is not None else None], **_blocks_args([packed]))
         return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
-def linear_cat(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+def linear_cat(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+               packed: list[PackedWeight | None] | None = None) -> torch.Tensor:
     """Every weight's `linear` side by side: x [..., K] -> [..., sum of N_i] (a fused q|k|v or gate|up
     projection over the model's own separate weights, no concatenated copy). Each output has the bits
     `linear` gives it alone."""
     kernel = _kernel_for(x, weights, biases)
     if kernel is not None:
         out = kernel.small_linear_cat(x.reshape(-1, x.shape[-1]).contiguous(), weights,
-                                      [b.contiguous() if b is not None else None for b in biases])
+                                      [b.contiguous() if b is not None else None for b in biases],
+                                      **_blocks_args(packed or [None] * len(weights)))
         return out.view(*x.shape[:-1], out.shape[-1])
     return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
 
@@ -102,9 +140,11 @@ def linear_cat(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.
 class EngineLinear(torch.nn.Linear):
     """An `nn.Linear` whose forward takes `linear` inside the engine's forwards (see the module docstring)."""
 
+    packed: PackedWeight | None = None  # the GGUF blocks of its weight, where the loader attached them
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _in_engine.get():
-            return linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, self.packed)
         return F.linear(x, self.weight, self.bias)
 
 

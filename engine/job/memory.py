@@ -3,7 +3,8 @@
 The KV cache is the big allocation (slots x capacity x layers x 2 x kv_heads x head_dim x bytes,
 see `KVCache.bytes_needed`); the weights come on top, and the prefix store of each model's cache
 (`batch.prefix_cache` tokens of K/V, `engine.core.prefix_store`), the draft's lower-precision copy of
-its linear weights (`engine.spec.draft.gemms`) when it has one, and the lean CPU draft's compact bf16
+its linear weights (`engine.spec.draft.gemms`) when it has one, the GGUF blocks a float32 CPU model
+keeps for its few-row GEMMs (`engine.models.gguf_blocks`), and the lean CPU draft's compact bf16
 store of its StreamingLLM/SnapKV view (`engine.spec.compressors.compact`). If they do not fit in what the
 device has free, the job stops with one line that says so and names the largest `batch.size` that fits.
 This module only estimates; it allocates nothing.
@@ -19,8 +20,10 @@ from engine.config.schema import Recipe, round_scratch, slot_capacity
 from engine.core.kv_cache import KVCache
 from engine.core.prefix_store import PrefixStore
 from engine.errors import JobError
+from engine.models.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
 from engine.models.loading import model_shapes, resolve_device, resolve_dtype
-from engine.models.shapes import linear_params, weight_bytes
+from engine.models.registry import source_gguf
+from engine.models.shapes import linear_params, shape_name, weight_bytes
 from engine.spec.compressors.compact import CompactStore
 from engine.spec.compressors.registry import COMPRESSORS
 from engine.spec.draft.gemms import resolve_linear_dtype
@@ -69,6 +72,14 @@ def prefix_store_bytes(recipe: Recipe, shapes: dict, dtype: torch.dtype, tp: int
                                     dtype=dtype, block=b.prefix_block, capacity=b.prefix_cache)
 
 
+def gguf_blocks_bytes(spec: str, shapes: dict, device: torch.device, dtype: torch.dtype) -> int:
+    """At most what a GGUF model's kept blocks take: every linear weight and the lm_head in Q8_0, the
+    largest format kept (1.06 bytes a weight), for a float32 CPU model converted from a GGUF."""
+    if device.type != "cpu" or dtype != torch.float32 or shape_name(spec) is not None or source_gguf(spec) is None:
+        return 0
+    return linear_params(shapes) * max(BLOCK_BYTES.values()) // BLOCK_WEIGHTS
+
+
 def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
     """Raise JobError if KV cache + weights exceed the free memory; returns the bytes needed."""
     device = resolve_device(recipe.device)
@@ -83,9 +94,10 @@ def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
     draft_copy = linear_params(shapes[-1]) * draft_dtype.itemsize // tp if draft_dtype else 0
 
     stores = sum(prefix_store_bytes(recipe, s, dtype, tp) for s in shapes)  # independent of the batch size
+    blocks = sum(gguf_blocks_bytes(m, s, device, dtype) for m, s in zip(models, shapes))
 
     def need(n: int) -> int:
-        return (draft_copy + stores + compact_bytes(recipe, shapes[-1], n, device)
+        return (draft_copy + stores + blocks + compact_bytes(recipe, shapes[-1], n, device)
                 + sum(kv_bytes(recipe, s, n, dtype, tp) + weight_bytes(s, element) // tp for s in shapes))
 
     total = need(slots)

@@ -1,7 +1,8 @@
 """Loading a model with transformers for the engine: weights frozen, on the recipe's device and dtype,
 with the attention implementation the caller names (the engine registers its own, see
-`engine.core.attention`), and the EOS ids `generate` would stop on. `<name>-shape` specs build
-random weights of a real model's shapes. This module loads; it does not know about KV caches.
+`engine.core.attention`), and the EOS ids `generate` would stop on; a float32 CPU model converted from
+a GGUF keeps the file's blocks for the few-row kernel (`engine.models.gguf_blocks`). `<name>-shape`
+specs build random weights of a real model's shapes. This module loads; it does not know about KV caches.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 from engine.config.schema import DTYPES
 from engine.errors import JobError
 from engine.models.quiet import one_line, quiet_transformers
-from engine.models.registry import resolve_model_folder
+from engine.models.gguf_blocks import attach_gguf_blocks
+from engine.models.registry import resolve_model_folder, source_gguf
 from engine.models.shapes import shape_config, shape_name
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}  # recipe name -> torch dtype
@@ -86,6 +88,9 @@ def load_model(spec: str, *, attn_implementation: str, dtype: str = "auto", devi
             generation_config = model.generation_config
         eos = _eos_ids(generation_config, tokenizer)
         model.to(dev)
+        gguf = source_gguf(spec)
+        if gguf is not None and dev.type == "cpu" and torch_dtype == torch.float32:
+            attach_gguf_blocks(model, gguf, folder)  # decode steps read the file's 4-bit blocks, same bits
     model.eval().requires_grad_(False)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
     return LoadedModel(name=spec, model=model, tokenizer=tokenizer, eos_token_ids=eos,

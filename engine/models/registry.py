@@ -32,6 +32,14 @@ def packaged_gguf(name: str) -> Path:
     return path
 
 
+def source_gguf(spec: str) -> Path | None:
+    """The GGUF file a spec's weights were converted from (packaged models, .gguf paths), else None."""
+    if spec in PACKAGED_MODELS:
+        return packaged_gguf(spec)
+    path = Path(spec).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def resolve_model_folder(spec: str) -> Path:
     """A folder transformers can load with `from_pretrained` (GGUFs converted into the cache)."""
     if spec in PACKAGED_MODELS:

@@ -1123,14 +1123,20 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
 bool small_linear_available();
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weights,
-                               std::vector<c10::optional<torch::Tensor>> biases);
+                               std::vector<c10::optional<torch::Tensor>> biases,
+                               std::vector<c10::optional<torch::Tensor>> blocks, std::vector<int64_t> formats);
+std::vector<int64_t> small_linear_formats();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_available", &small_linear_available, "whether small_linear is compiled in (AVX2 + FMA)");
   m.def("small_linear", &small_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         "x [M, K] @ weight [N, K]^T (+ bias) for a few rows, float32; each row's result independent of M");
   m.def("small_linear_cat", &small_linear_cat, py::arg("x"), py::arg("weights"), py::arg("biases"),
-        "small_linear of several weights at once, their outputs side by side [M, sum N] (no weight copy)");
+        py::arg("blocks") = std::vector<c10::optional<torch::Tensor>>{},
+        py::arg("formats") = std::vector<int64_t>{},
+        "small_linear of several weights at once, their outputs side by side [M, sum N] (no weight copy); "
+        "a weight with a format (1: Q4_1, 2: Q8_0) is read from its GGUF blocks, same bits");
+  m.def("small_linear_formats", &small_linear_formats, "the weight formats small_linear_cat reads here");
 
   m.def("use_vector_path", &use_vector_path,
         "allow (true) or forbid (false) the vector (AVX2/AVX-512) paths; says if one is compiled in");

@@ -12,13 +12,21 @@
 //
 // Every output element is computed by the same sequence of operations (FMAs along K, one fixed
 // horizontal sum, the K tail, the bias) whatever M is and whichever rows share the call, so a
-// row's result does not depend on its batch. Bindings are in cpu_attention.cpp. Not here: any other
-// dtype (bfloat16/int8 draft GEMMs live in engine/spec/draft/gemms.py), many-row GEMMs (prefill
-// chunks keep torch's), weights that are not contiguous.
+// row's result does not depend on its batch. Bindings are in cpu_attention.cpp.
+//
+// A weight may also be read from GGUF blocks instead of its float32 copy (`formats`: Q4_1, 0.625 bytes
+// a weight; Q8_0, 1.0625): each thread de-quantises a W tile into a few KB of scratch, in float32 and
+// in the order gguf-py does it (Q4_1: d * q, then + m, two roundings; Q8_0: d * q), and the same
+// register tiles multiply it. The de-quantised tile is bit for bit the float32 weight the model was
+// converted to (the loader checks that before it hands blocks over), and the summation is the same,
+// so the outputs are the float32 kernel's, bit for bit, from 6.4x (Q4_1) fewer bytes of weights.
+// Not here: any other dtype (bfloat16/int8 draft GEMMs live in engine/spec/draft/gemms.py), many-row
+// GEMMs (prefill chunks keep torch's), weights that are not contiguous.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "vector_math.h"
@@ -98,11 +106,10 @@ inline void tile(const float* __restrict x, const float* __restrict w, const flo
 // Every row of x against NR rows of W starting at output n: register tiles of 4 rows, and of 3 where
 // M is not a multiple of 4 (13 = 4 + 3 + 3 + 3), so that no tile of a single row (one FMA per load)
 // remains unless M < 3. The first tile prefetches the next W tile (`prefetch`, or none).
+// wn: the tile's first W row [NR, K]; bn: its biases or none; out_n: its first output (rows N apart).
 template <int NR>
-inline void rows_against(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t K,
-                         int64_t N, int64_t n, const float* prefetch) {
-  const float* wn = w + n * K;
-  const float* bn = bias != nullptr ? bias + n : nullptr;
+inline void rows_against(const float* x, const float* wn, const float* bn, float* out_n, int64_t M, int64_t K,
+                         int64_t N, const float* prefetch) {
   int64_t fours = M / 4, threes = 0;
   const int64_t rest = M % 4;
   if (rest == 3) threes = 1;
@@ -110,13 +117,79 @@ inline void rows_against(const float* x, const float* w, const float* bias, floa
   if (rest == 1 && fours >= 2) fours -= 2, threes = 3;
   int64_t m = 0;
   for (int64_t t = 0; t < fours; ++t, m += 4, prefetch = nullptr)
-    tile<4, NR>(x + m * K, wn, bn, out + m * N + n, K, N, prefetch);
+    tile<4, NR>(x + m * K, wn, bn, out_n + m * N, K, N, prefetch);
   for (int64_t t = 0; t < threes; ++t, m += 3, prefetch = nullptr)
-    tile<3, NR>(x + m * K, wn, bn, out + m * N + n, K, N, prefetch);
-  for (; m + 2 <= M; m += 2, prefetch = nullptr) tile<2, NR>(x + m * K, wn, bn, out + m * N + n, K, N, prefetch);
-  for (; m < M; ++m, prefetch = nullptr) tile<1, NR>(x + m * K, wn, bn, out + m * N + n, K, N, prefetch);
+    tile<3, NR>(x + m * K, wn, bn, out_n + m * N, K, N, prefetch);
+  for (; m + 2 <= M; m += 2, prefetch = nullptr) tile<2, NR>(x + m * K, wn, bn, out_n + m * N, K, N, prefetch);
+  for (; m < M; ++m, prefetch = nullptr) tile<1, NR>(x + m * K, wn, bn, out_n + m * N, K, N, prefetch);
 }
 #endif  // MAGICDEC_SMALL_LINEAR
+
+// How a weight is read: its float32 copy, or GGUF blocks of 32 weights along K (ids shared with
+// engine/core/linear.py).
+enum WeightFormat : int64_t { kFloat32 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+constexpr int64_t kBlock = 32;  // weights per GGUF block
+
+inline int64_t block_bytes(int64_t format) {  // Q4_1: fp16 d, fp16 m, 16 bytes of nibbles; Q8_0: fp16 d, 32 int8
+  return format == kQ4_1 ? 20 : format == kQ8_0 ? 34 : 0;
+}
+
+#if defined(MAGICDEC_SMALL_LINEAR) && defined(__F16C__)
+#define MAGICDEC_GGUF_BLOCKS 1
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// rows x K weights from their blocks [rows, K / 32, bytes] into float32 [rows, K]. The product is held
+// in a register (the empty asm) so that -ffast-math cannot fuse it with the add: two roundings, as
+// gguf-py's d * q + m. Q4_1: weight j < 16 is byte j's low nibble, weight j >= 16 byte j - 16's high one.
+inline void dequantise(const uint8_t* blocks, int64_t format, int64_t rows, int64_t K, float* out) {
+  const int64_t count = rows * (K / kBlock), bytes = block_bytes(format);
+  for (int64_t b = 0; b < count; ++b, blocks += bytes, out += kBlock) {
+    const float d = half_at(blocks);
+#if defined(MAGICDEC_AVX512)
+    const __m512 dv = _mm512_set1_ps(d);
+    if (format == kQ4_1) {
+      const __m512 mv = _mm512_set1_ps(half_at(blocks + 2));
+      const __m128i nibbles = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks + 4));
+      const __m128i low = _mm_and_si128(nibbles, _mm_set1_epi8(0x0F));
+      const __m128i high = _mm_and_si128(_mm_srli_epi16(nibbles, 4), _mm_set1_epi8(0x0F));
+      __m512 p0 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)));
+      __m512 p1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)));
+      asm("" : "+v"(p0), "+v"(p1));
+      _mm512_storeu_ps(out, _mm512_add_ps(p0, mv));
+      _mm512_storeu_ps(out + 16, _mm512_add_ps(p1, mv));
+    } else {
+      const __m128i* q = reinterpret_cast<const __m128i*>(blocks + 2);
+      _mm512_storeu_ps(out, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)))));
+      _mm512_storeu_ps(out + 16,
+                       _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)))));
+    }
+#else
+    const __m256 dv = _mm256_set1_ps(d);
+    if (format == kQ4_1) {
+      const __m256 mv = _mm256_set1_ps(half_at(blocks + 2));
+      const __m128i nibbles = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks + 4));
+      const __m128i low = _mm_and_si128(nibbles, _mm_set1_epi8(0x0F));
+      const __m128i high = _mm_and_si128(_mm_srli_epi16(nibbles, 4), _mm_set1_epi8(0x0F));
+      const __m128i halves[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+      for (int h = 0; h < 4; ++h) {
+        __m256 p = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[h])));
+        asm("" : "+v"(p));
+        _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(p, mv));
+      }
+    } else {
+      for (int h = 0; h < 4; ++h) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blocks + 2 + 8 * h));
+        _mm256_storeu_ps(out + 8 * h, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+      }
+    }
+#endif
+  }
+}
+#endif  // MAGICDEC_SMALL_LINEAR && __F16C__
 
 }  // namespace
 
@@ -129,17 +202,38 @@ bool small_linear_available() {
 #endif
 }
 
-// x: [M, K] float32 contiguous; weights[i]: [N_i, K] float32 contiguous; biases[i]: [N_i] or none.
+// Which weight formats small_linear_cat reads here (ids of WeightFormat): float32 wherever the kernel
+// is compiled in, GGUF blocks where F16C is too.
+std::vector<int64_t> small_linear_formats() {
+  std::vector<int64_t> formats;
+#ifdef MAGICDEC_SMALL_LINEAR
+  formats.push_back(kFloat32);
+#endif
+#ifdef MAGICDEC_GGUF_BLOCKS
+  formats.push_back(kQ4_1);
+  formats.push_back(kQ8_0);
+#endif
+  return formats;
+}
+
+// x: [M, K] float32 contiguous; weights[i]: [N_i, K] float32 contiguous; biases[i]: [N_i] or none;
+// formats[i] (optional, default float32) and blocks[i]: weight i read from its GGUF blocks instead,
+// uint8 [N_i, K / 32, block bytes] that de-quantise to exactly weights[i] (K a multiple of 32).
 // Returns [M, sum N_i]: every weight's outputs side by side (a fused q|k|v or gate|up projection from
 // the model's own separate weights, with no concatenated copy), in one pass of the threads.
 torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weights,
-                               std::vector<c10::optional<torch::Tensor>> biases) {
+                               std::vector<c10::optional<torch::Tensor>> biases,
+                               std::vector<c10::optional<torch::Tensor>> blocks, std::vector<int64_t> formats) {
   TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] float32, contiguous");
   TORCH_CHECK(!weights.empty() && biases.size() == weights.size(), "one bias (or None) per weight");
+  TORCH_CHECK(formats.size() == blocks.size() && (formats.empty() || formats.size() == weights.size()),
+              "one format and one blocks tensor (or None) per weight, or none at all");
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t parts = static_cast<int64_t>(weights.size());
   std::vector<const float*> wps(parts), bps(parts, nullptr);
-  std::vector<int64_t> widths(parts), columns(parts + 1, 0), first_tile(parts + 1, 0);
+  std::vector<const uint8_t*> blockps(parts, nullptr);
+  std::vector<int64_t> widths(parts), columns(parts + 1, 0), first_tile(parts + 1, 0), fmts(parts, kFloat32);
+  const auto compiled = small_linear_formats();
   for (int64_t i = 0; i < parts; ++i) {
     const auto& w = weights[i];
     TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.dtype() == torch::kFloat32 && w.is_contiguous(),
@@ -150,6 +244,17 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
       const auto& b = *biases[i];
       TORCH_CHECK(b.dtype() == torch::kFloat32 && b.is_contiguous() && b.numel() == w.size(0), "bias: [N] float32");
       bps[i] = b.data_ptr<float>();
+    }
+    if (!formats.empty() && formats[i] != kFloat32) {
+      fmts[i] = formats[i];
+      TORCH_CHECK(std::find(compiled.begin(), compiled.end(), fmts[i]) != compiled.end(),
+                  "weight format ", fmts[i], " is not compiled in here (see small_linear_formats)");
+      TORCH_CHECK(blocks[i].has_value(), "a GGUF-format weight needs its blocks");
+      const auto& q = *blocks[i];
+      TORCH_CHECK(K % kBlock == 0 && q.dtype() == torch::kUInt8 && q.is_contiguous() &&
+                      q.numel() == w.size(0) * (K / kBlock) * block_bytes(fmts[i]),
+                  "blocks: uint8 [N, K / 32, block bytes], contiguous");
+      blockps[i] = q.data_ptr<uint8_t>();
     }
     columns[i + 1] = columns[i] + widths[i];
 #ifdef MAGICDEC_SMALL_LINEAR
@@ -162,17 +267,34 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, first_tile[parts], 16, [&](int64_t first, int64_t last) {
+    std::vector<float> scratch;  // one de-quantised W tile [kTileOutputs, K], reused by this task's tiles
     int64_t i = 0;
     for (int64_t t = first; t < last; ++t) {
       while (t >= first_tile[i + 1]) ++i;  // the weight this tile belongs to
-      const float* wp = wps[i];
       const int64_t n = (t - first_tile[i]) * kTileOutputs, Ni = widths[i];
-      float* oi = op + columns[i];  // weight i's first output column; rows of out are N apart
-      if (n + kTileOutputs <= Ni) {
-        const float* next = t + 1 < last && n + 2 * kTileOutputs <= Ni ? wp + (n + kTileOutputs) * K : nullptr;
-        rows_against<kTileOutputs>(xp, wp, bps[i], oi, M, K, N, n, next);
+      const int64_t tile_rows = std::min<int64_t>(kTileOutputs, Ni - n);
+      const float* bn = bps[i] != nullptr ? bps[i] + n : nullptr;
+      float* on = op + columns[i] + n;  // the tile's first output column; rows of out are N apart
+      const float* wn = wps[i] + n * K;
+      const float* next = t + 1 < last && n + 2 * kTileOutputs <= Ni ? wn + kTileOutputs * K : nullptr;
+#ifdef MAGICDEC_GGUF_BLOCKS
+      if (fmts[i] != kFloat32) {
+        const int64_t row_bytes = (K / kBlock) * block_bytes(fmts[i]);
+        const uint8_t* qn = blockps[i] + n * row_bytes;
+        if (next != nullptr)  // the next tile's blocks, one 64-byte line at a time
+          for (int64_t b = 0; b < kTileOutputs * row_bytes; b += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(qn + kTileOutputs * row_bytes + b), _MM_HINT_T0);
+        scratch.resize(kTileOutputs * K);
+        dequantise(qn, fmts[i], tile_rows, K, scratch.data());
+        wn = scratch.data();
+        next = nullptr;
+      }
+#endif
+      if (tile_rows == kTileOutputs) {
+        rows_against<kTileOutputs>(xp, wn, bn, on, M, K, N, next);
       } else {
-        for (int64_t j = n; j < Ni; ++j) rows_against<1>(xp, wp, bps[i], oi, M, K, N, j, nullptr);
+        for (int64_t j = 0; j < tile_rows; ++j)
+          rows_against<1>(xp, wn + j * K, bn != nullptr ? bn + j : nullptr, on + j, M, K, N, nullptr);
       }
     }
   });
@@ -184,5 +306,5 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
 
 // x: [M, K] float32 contiguous; weight: [N, K] float32 contiguous; bias: [N] or none. Returns [M, N].
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  return small_linear_cat(x, {weight}, {bias});
+  return small_linear_cat(x, {weight}, {bias}, {}, {});
 }

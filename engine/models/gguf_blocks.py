@@ -1,0 +1,143 @@
+"""The GGUF blocks behind a converted model's float32 weights, for the few-row kernel to read.
+
+A GGUF model is converted once into float32 safetensors (`engine.models.gguf`), and a decode step
+then reads 4 bytes a weight. The file's Q4_1 and Q8_0 blocks hold the same weights in 0.625 and 1.06
+bytes, and the few-row kernel (`engine.core.linear`) multiplies them with the same bits as the
+float32 copy. This module finds, for each of the model's linear layers, the GGUF tensor it came
+from (llama.cpp's names; q/k rows in llama.cpp's RoPE order are put back in transformers' order).
+It keeps only the layers whose blocks de-quantise, in float32 as gguf-py does (Q4_1: d * q, then
++ m; Q8_0: d * q), to exactly the loaded weight. It saves them once beside the converted copy
+(`gguf_blocks.safetensors`) and attaches them to their modules as `module.packed`.
+
+Not here: the conversion, the kernel, and other block formats (those layers stay float32).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.cache_dir import file_lock
+from engine.steps import step, waiting
+
+BLOCK_WEIGHTS = 32  # weights per block, along K
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles; Q8_0: fp16 d, 32 int8
+BLOCKS_FILE = "gguf_blocks.safetensors"
+# A layer's linears: llama.cpp's name (under blk.<i>.) -> transformers' (under model.layers.<i>.)
+LAYER_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
+ROPE_PERMUTED = ("attn_q", "attn_k")  # llama.cpp interleaves each head's two RoPE halves in these rows
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """The GGUF blocks a float32 weight [N, K] was de-quantised from: blocks uint8 [N, K / 32, bytes]."""
+
+    format: str  # a key of BLOCK_BYTES
+    blocks: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+
+def dequantise(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """blocks uint8 [N, K / 32, bytes] -> float32 [N, K], rounding as gguf-py does."""
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, K / 32, 1]
+    if fmt == "q4_1":
+        m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+        nibbles = blocks[..., 4:]  # [N, K / 32, 16]: weight j < 16 is byte j's low nibble, j >= 16 byte j - 16's high
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # [N, K / 32, 32]
+        weights = d * q  # two roundings, as gguf-py: the product, then the sum
+        weights = weights + m
+    else:
+        weights = d * blocks[..., 2:].contiguous().view(torch.int8).float()
+    return weights.reshape(blocks.shape[0], -1)
+
+
+def unpermute_rope_rows(blocks: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """llama.cpp's q/k row order -> transformers': its row h * D + 2a + b is transformers' h * D + D/2 * b + a."""
+    rows = blocks.shape[0]
+    return blocks.view(rows // head_dim, head_dim // 2, 2, *blocks.shape[1:]).transpose(1, 2).reshape(blocks.shape)
+
+
+def attach_gguf_blocks(model: torch.nn.Module, gguf: Path, folder: Path) -> int:
+    """Give the model's linears converted from `gguf` their blocks (`module.packed`); returns how many.
+
+    folder: the converted copy's folder, where the blocks are saved the first time (checked there)."""
+    from safetensors import safe_open
+
+    path = folder / BLOCKS_FILE
+    if not path.is_file():
+        with file_lock(folder.with_name(folder.name + ".blocks.lock"),
+                       on_wait=waiting(f"for {path} to be written")):
+            if not path.is_file():
+                with step(f"keeping {gguf.name}'s blocks for decode steps in {path} (once)",
+                          f"kept {gguf.name}'s blocks"):
+                    _save_blocks(model, gguf, path)
+    count = 0
+    with safe_open(str(path), framework="pt") as handle:
+        formats = handle.metadata() or {}
+        for name in handle.keys():
+            module = model.get_submodule(name)
+            blocks = handle.get_tensor(name)
+            N, K = module.weight.shape
+            if formats.get(name) in BLOCK_BYTES and blocks.shape == (N, K // BLOCK_WEIGHTS, BLOCK_BYTES[formats[name]]):
+                module.packed = PackedWeight(formats[name], blocks)
+                count += 1
+    return count
+
+
+def _save_blocks(model: torch.nn.Module, gguf_path: Path, path: Path) -> None:
+    """Write the blocks of every linear whose GGUF tensor de-quantises to exactly its loaded weight."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import save_file
+
+    types = {gguf.GGMLQuantizationType.Q4_1: "q4_1", gguf.GGMLQuantizationType.Q8_0: "q8_0"}
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kept, formats = {}, {}
+    for name, tensor in tensors.items():
+        module_name, proj = _module_for(name, has_output="output.weight" in tensors)
+        fmt = types.get(tensor.tensor_type)
+        if module_name is None or fmt is None:
+            continue
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            continue
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) or weight is None or weight.dtype != torch.float32 \
+                or weight.shape[1] % BLOCK_WEIGHTS:
+            continue
+        blocks = torch.from_numpy(np.ascontiguousarray(np.asarray(tensor.data)).copy())
+        if blocks.numel() != weight.numel() // BLOCK_WEIGHTS * BLOCK_BYTES[fmt]:
+            continue
+        blocks = blocks.reshape(weight.shape[0], -1, BLOCK_BYTES[fmt])
+        candidates = [blocks]
+        if proj in ROPE_PERMUTED and weight.shape[0] % head_dim == 0:
+            candidates.append(unpermute_rope_rows(blocks, head_dim).contiguous())
+        for candidate in candidates:
+            if torch.equal(dequantise(candidate, fmt), weight):
+                kept[module_name], formats[module_name] = candidate, fmt
+                break
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file(kept, str(tmp), metadata=formats)
+    os.replace(tmp, path)
+
+
+def _module_for(gguf_name: str, *, has_output: bool) -> tuple[str | None, str | None]:
+    """The transformers module a GGUF weight belongs to (llama.cpp names), and its llama.cpp projection name."""
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in LAYER_LINEARS:
+        return f"model.layers.{parts[1]}.{LAYER_LINEARS[parts[2]]}", parts[2]
+    if gguf_name == "output.weight" or (gguf_name == "token_embd.weight" and not has_output):
+        return "lm_head", None  # a tied lm_head is the embedding's weight
+    return None, None

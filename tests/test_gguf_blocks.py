@@ -1,0 +1,130 @@
+"""GGUF blocks read by the few-row kernel (`engine.models.gguf_blocks`, `small_linear_cat` with formats).
+
+References: gguf-py's own `quantize` / `dequantize` for the block layout and its rounding,
+transformers' GGUF loader for the q/k row order, and the float32 kernel over the de-quantised
+weight, which reading the blocks must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tiny
+from engine.core import linear as engine_linear
+from engine.core.kernels import load as load_kernels
+from engine.models.gguf_blocks import (BLOCK_BYTES, PackedWeight, attach_gguf_blocks, dequantise,
+                                       unpermute_rope_rows)
+
+QTYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = load_kernels()
+    if module is None or engine_linear.FORMATS["q4_1"] not in module.small_linear_formats():
+        pytest.skip("the fused CPU kernel does not read GGUF blocks here (needs a compiler, AVX2 + FMA and F16C)")
+    return module
+
+
+def quantised(fmt: str, N: int, K: int, seed: int = 0) -> torch.Tensor:
+    """Random weights [N, K] through gguf-py's quantiser: blocks uint8 [N, K / 32, bytes]."""
+    weights = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32)
+    return torch.from_numpy(gguf.quants.quantize(weights, QTYPES[fmt])).reshape(N, K // 32, BLOCK_BYTES[fmt])
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_dequantise_is_gguf_pys_bit_for_bit(fmt):
+    blocks = quantised(fmt, 37, 256)
+    want = gguf.quants.dequantize(blocks.reshape(37, -1).numpy(), QTYPES[fmt])
+    assert torch.equal(dequantise(blocks, fmt), torch.from_numpy(want))
+
+
+def test_rope_rows_are_put_back_as_transformers_does():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    heads, head_dim = 3, 8
+    blocks = quantised("q4_1", heads * head_dim, 64, seed=1)
+    want = LlamaTensorProcessor()._reverse_permute_weights(dequantise(blocks, "q4_1").numpy(), heads, heads)
+    assert torch.equal(dequantise(unpermute_rope_rows(blocks, head_dim), "q4_1"), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 13, 40])
+@pytest.mark.parametrize("K,N", [(64, 48), (576, 195), (1536, 37), (32, 1)])
+def test_reading_blocks_gives_the_float32_kernels_bits(kernel, fmt, M, K, N):
+    """Every tile shape (4-row and 3-row tiles, single rows, N's tail) with and without a bias."""
+    blocks = quantised(fmt, N, K, seed=M)
+    weight = dequantise(blocks, fmt)
+    g = torch.Generator().manual_seed(M)
+    x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+    fmt_id = engine_linear.FORMATS[fmt]
+    for b in (None, bias):
+        got = kernel.small_linear_cat(x, [weight], [b], [blocks], [fmt_id])
+        assert torch.equal(got, kernel.small_linear(x, weight, b))
+
+
+def test_side_by_side_mixes_float32_and_block_weights(kernel):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(13, 128, generator=g)
+    plain = torch.randn(20, 128, generator=g)
+    q4, q8 = quantised("q4_1", 33, 128, seed=4), quantised("q8_0", 9, 128, seed=5)
+    weights = [plain, dequantise(q4, "q4_1"), dequantise(q8, "q8_0")]
+    packed = [None, PackedWeight("q4_1", q4), PackedWeight("q8_0", q8)]
+    got = engine_linear.linear_cat(x, weights, [None] * 3, packed)
+    assert torch.equal(got, torch.cat([kernel.small_linear(x, w, None) for w in weights], dim=1))
+
+
+def test_linear_reads_the_blocks_and_the_switch_turns_that_off(kernel, monkeypatch):
+    """Blocks next to a float32 weight of zeros: the output is the blocks' (they were read), and with
+    MAGICDEC_GGUF_BLOCKS=0 it is the zeros' (the float32 copy was read)."""
+    blocks = quantised("q4_1", 24, 64, seed=6)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(6))
+    zeros, packed = torch.zeros(24, 64), PackedWeight("q4_1", blocks)
+    assert torch.equal(engine_linear.linear(x, zeros, None, packed),
+                       kernel.small_linear(x, dequantise(blocks, "q4_1"), None))
+    monkeypatch.setenv(engine_linear.BLOCKS_ENV, "0")
+    monkeypatch.delitem(engine_linear._state, "formats", raising=False)
+    assert torch.equal(engine_linear.linear(x, zeros, None, packed), torch.zeros(5, 24))
+    monkeypatch.delitem(engine_linear._state, "formats", raising=False)  # the next test reads the blocks again
+
+
+@pytest.mark.real_model
+def test_the_default_models_linears_get_blocks_that_are_their_weights(real_model):
+    """Every layer linear has its Q4_1 blocks and the tied lm_head its Q8_0 ones, and each
+    de-quantises to exactly the loaded float32 weight (the file saved once beside the converted copy)."""
+    model = real_model.model
+    layers = [m for layer in model.model.layers for m in (
+        layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    assert all(m.packed is not None and m.packed.format == "q4_1" for m in layers)
+    assert model.lm_head.packed is not None and model.lm_head.packed.format == "q8_0"
+    for module in [*layers, model.lm_head]:
+        assert torch.equal(dequantise(module.packed.blocks, module.packed.format), module.weight)
+
+
+def test_blocks_that_are_not_the_weights_are_not_attached(tmp_path):
+    """A GGUF tensor that de-quantises to something else than the loaded weight (here: a random model's
+    q_proj against blocks of other weights) gives that module no blocks; a matching one does."""
+    loaded, _ = make_tiny(11)
+    model = loaded.model
+    q_proj, v_proj = model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.v_proj
+    v_blocks = quantised("q8_0", *v_proj.weight.shape, seed=7)
+    with torch.no_grad():
+        v_proj.weight.copy_(dequantise(v_blocks, "q8_0"))
+    writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    for name, blocks, fmt in (("blk.0.attn_q.weight", quantised("q4_1", *q_proj.weight.shape, seed=8), "q4_1"),
+                              ("blk.0.attn_v.weight", v_blocks, "q8_0")):
+        writer.add_tensor(name, blocks.reshape(blocks.shape[0], -1).numpy(), raw_dtype=QTYPES[fmt])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    assert attach_gguf_blocks(model, tmp_path / "tiny.gguf", folder) == 1
+    assert getattr(q_proj, "packed", None) is None
+    assert v_proj.packed.format == "q8_0" and torch.equal(v_proj.packed.blocks, v_blocks)
+    assert attach_gguf_blocks(model, tmp_path / "tiny.gguf", folder) == 1  # the second time from the saved file
