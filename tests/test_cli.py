@@ -172,6 +172,7 @@ def assert_points_spread(report, rows, prefill_chunk=512):
 
 
 STEP_LINE = re.compile(r"magicdec: (converting the model once: .+|converted .+ in [\d.]+ s|"
+                       r"keeping .+'s blocks for decode steps in .+ \(once\)|kept .+'s blocks in [\d.]+ s|"
                        r"compiling the fused CPU kernels once into .+|compiled the fused CPU kernels in [\d.]+ s|"
                        r"waiting for another magicdec process .+)$")
 

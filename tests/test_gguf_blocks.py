@@ -96,6 +96,7 @@ def test_the_default_models_linears_get_blocks_that_are_their_weights(real_model
     """Every layer linear has its Q4_1 blocks and the tied lm_head its Q8_0 ones, and each
     de-quantises to exactly the loaded float32 weight (the file saved once beside the converted copy)."""
     model = real_model.model
+    assert engine_linear.keep_gguf_blocks(model, real_model.gguf) == 211  # (as the model runner does)
     layers = [m for layer in model.model.layers for m in (
         layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
         layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]

@@ -15,9 +15,9 @@ before. The kernel's result for a row does not depend on the other rows of the c
 decodes the same alone or in any batch. `MAGICDEC_SMALL_GEMM=0` turns it off (for side-by-side
 benchmarks).
 
-A module may carry `packed`, the GGUF blocks its float32 weight was de-quantised from (Q4_1 or Q8_0,
-attached by `engine.models.gguf_blocks` after checking they de-quantise to exactly that weight): the
-kernel then reads the blocks (0.625 or 1.06 bytes a weight instead of 4) and gives the same bits;
+A module may carry `packed`, the GGUF blocks its float32 weight was de-quantised from (Q4_1 or Q8_0;
+`keep_gguf_blocks`, where the kernel reads them, through `engine.models.gguf_blocks`, which checks
+they de-quantise to exactly that weight): the kernel then reads the blocks (0.625 or 1.06 bytes a weight instead of 4) and gives the same bits;
 `MAGICDEC_GGUF_BLOCKS=0` reads the float32 copy instead. Not here: low-precision draft GEMMs
 (`engine.spec.draft.gemms`), sharded layers (DeepSpeed's keep their own forward), attention.
 """
@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.core import kernels as cpu_kernels
-from engine.models.gguf_blocks import PackedWeight
+from engine.models.gguf_blocks import PackedWeight, attach_gguf_blocks
+from engine.models.loading import GgufSource
 
 MAX_ROWS = 128  # AVX2: above this torch's GEMM is as fast (BENCHMARKS.md section 12)
 MAX_ROWS_AVX512 = 40  # AVX-512: from ~40 rows torch's GEMM is as fast (BENCHMARKS.md section 15)
@@ -158,6 +159,18 @@ def adopt(model: torch.nn.Module) -> int:
             module.__class__ = EngineLinear
             count += 1
     return count
+
+
+def keep_gguf_blocks(model: torch.nn.Module, source: GgufSource | None) -> int:
+    """Give the model's float32 CPU linears their GGUF blocks where the kernel reads them here (once per
+    model; `engine.models.gguf_blocks` checks each against its weight); returns how many have blocks."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if source is None or not _blocks_read() or not linears or linears[0].weight.device.type != "cpu" \
+            or linears[0].weight.dtype != torch.float32:
+        return 0
+    if not any(getattr(m, "packed", None) is not None for m in linears):
+        attach_gguf_blocks(model, source.file, source.folder)
+    return sum(getattr(m, "packed", None) is not None for m in linears)
 
 
 def is_plain_linear(module: torch.nn.Module) -> bool:

@@ -18,7 +18,7 @@ import torch
 from engine.core.attention import BATCH_KWARG, FUSED_MAX_NEW, ForwardBatch, attend_full
 from engine.core.lean_forward import LeanStack, stack_for
 from engine.core.kv_cache import KVCache
-from engine.core.linear import adopt as adopt_engine_linears, engine_forward
+from engine.core.linear import adopt as adopt_engine_linears, engine_forward, keep_gguf_blocks
 from engine.core.prefill_attention import PrefillBatch
 from engine.models.loading import LoadedModel
 
@@ -40,6 +40,7 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         adopt_engine_linears(self.model)  # few-row GEMMs by the CPU kernel inside these forwards
+        keep_gguf_blocks(self.model, loaded.gguf)  # ...reading the GGUF's 4-bit blocks where it can
         self.layers, self.heads, self.kv_heads, self.head_dim = attention_shapes(self.model)
         self.cache = KVCache(layers=self.layers, slots=slots, kv_heads=self.kv_heads, head_dim=self.head_dim,
                              capacity=capacity, dtype=loaded.dtype, device=loaded.device)

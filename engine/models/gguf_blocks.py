@@ -31,6 +31,7 @@ LAYER_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "at
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
 ROPE_PERMUTED = ("attn_q", "attn_k")  # llama.cpp interleaves each head's two RoPE halves in these rows
+PLAIN_LINEARS = ("Linear", "EngineLinear")  # torch's, and the engine's subclass of it (engine.core.linear)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ def attach_gguf_blocks(model: torch.nn.Module, gguf: Path, folder: Path) -> int:
                 with step(f"keeping {gguf.name}'s blocks for decode steps in {path} (once)",
                           f"kept {gguf.name}'s blocks"):
                     _save_blocks(model, gguf, path)
+    if not path.is_file():
+        return 0
     count = 0
     with safe_open(str(path), framework="pt") as handle:
         formats = handle.metadata() or {}
@@ -93,7 +96,8 @@ def attach_gguf_blocks(model: torch.nn.Module, gguf: Path, folder: Path) -> int:
 
 
 def _save_blocks(model: torch.nn.Module, gguf_path: Path, path: Path) -> None:
-    """Write the blocks of every linear whose GGUF tensor de-quantises to exactly its loaded weight."""
+    """Write the blocks of every linear whose GGUF tensor de-quantises to exactly its loaded weight;
+    nothing if a GGUF linear's module is not a float32 `nn.Linear` of its shape (a sharded model)."""
     import gguf
     import numpy as np
     from safetensors.torch import save_file
@@ -114,12 +118,10 @@ def _save_blocks(model: torch.nn.Module, gguf_path: Path, path: Path) -> None:
         except AttributeError:
             continue
         weight = getattr(module, "weight", None)
-        if not isinstance(module, torch.nn.Linear) or weight is None or weight.dtype != torch.float32 \
-                or weight.shape[1] % BLOCK_WEIGHTS:
-            continue
         blocks = torch.from_numpy(np.ascontiguousarray(np.asarray(tensor.data)).copy())
-        if blocks.numel() != weight.numel() // BLOCK_WEIGHTS * BLOCK_BYTES[fmt]:
-            continue
+        if type(module).__name__ not in PLAIN_LINEARS or weight is None or weight.dtype != torch.float32 \
+                or weight.shape[1] % BLOCK_WEIGHTS or blocks.numel() != weight.numel() // BLOCK_WEIGHTS * BLOCK_BYTES[fmt]:
+            return  # not the plain float32 model the file was converted into (e.g. sharded): keep nothing
         blocks = blocks.reshape(weight.shape[0], -1, BLOCK_BYTES[fmt])
         candidates = [blocks]
         if proj in ROPE_PERMUTED and weight.shape[0] % head_dim == 0:

@@ -1,13 +1,14 @@
 """Loading a model with transformers for the engine: weights frozen, on the recipe's device and dtype,
 with the attention implementation the caller names (the engine registers its own, see
-`engine.core.attention`), and the EOS ids `generate` would stop on; a float32 CPU model converted from
-a GGUF keeps the file's blocks for the few-row kernel (`engine.models.gguf_blocks`). `<name>-shape`
-specs build random weights of a real model's shapes. This module loads; it does not know about KV caches.
+`engine.core.attention`), the EOS ids `generate` would stop on, and the GGUF a model was converted
+from (whose blocks the runner may keep for its few-row GEMMs, `engine.models.gguf_blocks`).
+`<name>-shape` specs build random weights of a real model's shapes. This module loads; it does not know about KV caches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,11 +16,18 @@ import torch
 from engine.config.schema import DTYPES
 from engine.errors import JobError
 from engine.models.quiet import one_line, quiet_transformers
-from engine.models.gguf_blocks import attach_gguf_blocks
 from engine.models.registry import resolve_model_folder, source_gguf
 from engine.models.shapes import shape_config, shape_name
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}  # recipe name -> torch dtype
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    """A GGUF file and the folder of its converted copy (where `engine.models.gguf_blocks` keeps its blocks)."""
+
+    file: Path
+    folder: Path
 
 
 @dataclass
@@ -33,6 +41,7 @@ class LoadedModel:
     max_context: int
     device: torch.device
     dtype: torch.dtype
+    gguf: GgufSource | None = None  # the GGUF its weights were converted from, if any
 
     @property
     def config(self):
@@ -72,7 +81,7 @@ def load_model(spec: str, *, attn_implementation: str, dtype: str = "auto", devi
         with torch.device(dev):
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype,
                                                      attn_implementation=attn_implementation)
-        tokenizer, eos = None, (config.eos_token_id,)
+        tokenizer, eos, gguf = None, (config.eos_token_id,), None
     else:
         folder = resolve_model_folder(spec)
         try:
@@ -88,13 +97,13 @@ def load_model(spec: str, *, attn_implementation: str, dtype: str = "auto", devi
             generation_config = model.generation_config
         eos = _eos_ids(generation_config, tokenizer)
         model.to(dev)
-        gguf = source_gguf(spec)
-        if gguf is not None and dev.type == "cpu" and torch_dtype == torch.float32:
-            attach_gguf_blocks(model, gguf, folder)  # decode steps read the file's 4-bit blocks, same bits
+        gguf_file = source_gguf(spec)
+        gguf = GgufSource(gguf_file, folder) if gguf_file is not None else None
     model.eval().requires_grad_(False)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
     return LoadedModel(name=spec, model=model, tokenizer=tokenizer, eos_token_ids=eos,
-                       max_context=max_context, device=dev, dtype=torch_dtype)
+                       max_context=max_context, device=dev, dtype=torch_dtype,
+                       gguf=gguf)
 
 
 def _eos_ids(generation_config, tokenizer) -> tuple[int, ...]:
