@@ -600,11 +600,21 @@ inline void accumulate_values(float* const* out, const float* const* p, const E*
 }
 
 thread_local std::vector<int> t_live;  // RowState::live (per thread, kept between tasks)
+constexpr int64_t kMaskTokens = 16;  // up to this many new tokens a row, visibility is worked out once per block
+
+// Bit i: whether entry i of these 16 (positions pos[0..15]) is at or before position `last`.
+inline __mmask16 visible_of(const int64_t* pos, int64_t last) {
+  const __m512i limit = _mm512_set1_epi64(last);
+  const __mmask8 low = _mm512_cmple_epi64_mask(_mm512_loadu_si512(pos), limit);
+  const __mmask8 high = _mm512_cmple_epi64_mask(_mm512_loadu_si512(pos + 8), limit);
+  return static_cast<__mmask16>(low | (static_cast<unsigned>(high) << 8));
+}
 
 // Entries [first, n_entries) (first a multiple of kBlock) folded into the state of R query rows,
-// block by block (4 groups of 16 entries). With dense entries, the block's V rows are prefetched while
-// its scores are computed, and the next block's K rows into L2 (worth ~10% at batch 16 x 4K on a
-// 2-core EPYC). Per block: the scores of every query row (16 entries at a time), an online-softmax
+// block by block (4 groups of 16 entries). With dense entries, the next block's K and V rows are
+// prefetched into L2 a few lines per score tile (the attention of a batch-13 decode step over a
+// shared 2.7K-token prefix 1.3x faster than one burst per block on a 2-vCPU Xeon VM, BENCHMARKS.md
+// section 19). Per block: the scores of every query row (16 entries at a time), an online-softmax
 // update, then the values, up to kGroup query rows per pass over the block's V rows (from L1 after the
 // first pass). Per query row the arithmetic does not depend on R or on which rows share the call.
 template <int64_t D, typename E>
@@ -627,26 +637,41 @@ MAGICDEC_ONE_COPY void attend_blocks(const RowState& st, int64_t R, int64_t T, i
       k_rows[i] = k + row * D;
       v_rows[i] = v + row * D;
     }
-    if (entries.positions == nullptr) {  // dense rows: this block's V (needed after the scores), the next block's K
-      const char* vb = reinterpret_cast<const char*>(v + start * D);
-      for (int64_t x = 0; x < n * D * int64_t(sizeof(E)); x += 64) _mm_prefetch(vb + x, _MM_HINT_T0);
-      if (start + kBlock < n_entries) {
-        const int64_t next = std::min(kBlock, n_entries - start - kBlock) * D * int64_t(sizeof(E));
-        const char* kn = reinterpret_cast<const char*>(k + (start + kBlock) * D);
-        for (int64_t x = 0; x < next; x += 64) _mm_prefetch(kn + x, _MM_HINT_T1);
-      }
+    // Dense rows: the next block's K and V are asked for (into L2) a few lines at a time between this
+    // block's score tiles, so that they arrive while it computes. Issued in one burst, the requests
+    // fill the core's miss buffers and stall it until the lines arrive (a third of the kernel's time
+    // on a 2-vCPU Xeon VM, even from L3).
+    const char* next_k = nullptr;
+    const char* next_v = nullptr;
+    int64_t next_bytes = 0, next_sent = 0, lines_per_tile = 0;
+    if (entries.positions == nullptr && start + kBlock < n_entries) {
+      next_bytes = std::min(kBlock, n_entries - start - kBlock) * D * int64_t(sizeof(E));
+      next_k = reinterpret_cast<const char*>(k + (start + kBlock) * D);
+      next_v = reinterpret_cast<const char*>(v + (start + kBlock) * D);
+      lines_per_tile = (2 * next_bytes / 64 + R * (kBlock / 16) - 1) / (R * (kBlock / 16));
     }
+    auto prefetch_next = [&](int64_t lines) {  // the next `lines` lines of the next block's K, then its V
+      for (; lines > 0 && next_sent < 2 * next_bytes; --lines, next_sent += 64)
+        _mm_prefetch(next_sent < next_bytes ? next_k + next_sent : next_v + (next_sent - next_bytes), _MM_HINT_T1);
+    };
+    // Which of the block's entries each new token may see, per 16 entries: the same for every query
+    // row of that token (rows are (head, token), token fastest), so worked out once per block.
+    __mmask16 token_visible[kMaskTokens][kBlock / 16];
+    const bool masks_once = T <= kMaskTokens;
+    for (int64_t t = 0; masks_once && t < T; ++t)
+      for (int64_t group = 0; group < kBlock; group += 16)
+        token_visible[t][group / 16] = visible_of(pos + group, end - T + t);
     int64_t n_live = 0;
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t last = end - T + r % T;  // rows are (head, token), token fastest
+      const int64_t last = end - T + r % T;
       float* s = scores + r * kBlock;
       __m512 qr[C];
       for (int c = 0; c < C; ++c) qr[c] = _mm512_loadu_ps(st.q + r * D + 16 * c);
       bool any = false;
-      float m = st.row_max[r];
+      __m512 running_max = _mm512_set1_ps(st.row_max[r]);  // max is exact: one reduction per block
       for (int64_t group = 0; group < kBlock; group += 16) {
-        __mmask16 visible = 0;
-        for (int i = 0; i < 16; ++i) visible |= static_cast<__mmask16>(pos[group + i] <= last) << i;
+        prefetch_next(lines_per_tile);
+        const __mmask16 visible = masks_once ? token_visible[r % T][group / 16] : visible_of(pos + group, last);
         if (visible == 0) {
           _mm512_storeu_ps(s + group, _mm512_set1_ps(kNoMax));
           continue;
@@ -660,9 +685,10 @@ MAGICDEC_ONE_COPY void attend_blocks(const RowState& st, int64_t R, int64_t T, i
         }
         const __m512 block = _mm512_mask_blend_ps(visible, _mm512_set1_ps(kNoMax), reduce16(dots));
         _mm512_storeu_ps(s + group, block);
-        m = std::max(m, _mm512_reduce_max_ps(block));
+        running_max = _mm512_max_ps(running_max, block);
         any = true;
       }
+      const float m = _mm512_reduce_max_ps(running_max);
       if (st.block_max != nullptr) st.block_max[r * st.n_blocks + blk] = m;
       if (!any) {
         if (st.block_max != nullptr) std::fill(s, s + kBlock, 0.0f);  // probabilities of a block it cannot see
@@ -685,6 +711,7 @@ MAGICDEC_ONE_COPY void attend_blocks(const RowState& st, int64_t R, int64_t T, i
         for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
       }
     }
+    prefetch_next(2 * next_bytes);  // whatever the score tiles left
     for (int64_t first_live = 0; first_live < n_live; first_live += kGroup) {
       const int g = static_cast<int>(std::min<int64_t>(kGroup, n_live - first_live));
       float* outs[kGroup];
