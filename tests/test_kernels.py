@@ -100,7 +100,7 @@ def make_query(B, kv_heads, group, T, D, seed=1):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", HEAD_DIMS)
-@pytest.mark.parametrize("T,group", [(1, 3), (4, 3), (3, 1), (16, 2)])
+@pytest.mark.parametrize("T,group", [(1, 3), (4, 3), (3, 1), (16, 2), (17, 1)])  # 17: masks per query row
 def test_attend_cached(kernels, path, dtype, D, T, group):
     KVH, capacity = 2, 300
     k, v = make_cache(5, KVH, capacity, D, dtype)
