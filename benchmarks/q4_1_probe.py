@@ -1,6 +1,7 @@
 """How much a few-row GEMM reading the GGUF's Q4_1 blocks would save on one decode step's layers.
 
-Not a test and not the engine: a probe sizing the next lever for decode (BENCHMARKS.md section 18).
+Not a test and not the engine: the probe that sized this lever before the engine read the blocks
+(BENCHMARKS.md section 18; the engine's own path is timed by `block_gemm_bench.py`, section 19).
 It reads the default model's GGUF, checks that `d * q + m` in float32 gives exactly the weights the
 engine's conversion wrote (q/k rows come permuted: transformers undoes llama.cpp's RoPE row order),
 then times the 210 layer GEMMs of one step (30 x q/k/v/o/gate/up/down, distinct weights, so they come
@@ -29,22 +30,8 @@ from torch.utils.cpp_extension import load
 from decode_setup import cpu_model_name, median_seconds
 from engine.core import kernels
 from engine.models.gguf import converted_gguf_folder
+from engine.models.gguf_blocks import LAYER_LINEARS, ROPE_PERMUTED, dequantise, unpermute_rope_rows
 from engine.models.registry import DEFAULT_MODEL, packaged_gguf
-
-# A layer's linears: the GGUF's name -> transformers' (under model.layers.<i>.)
-PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj"}
-
-
-def dequantise(blocks: np.ndarray, n_out: int) -> torch.Tensor:
-    """Q4_1 blocks [n, 20] -> float32 [n_out, K], as gguf-py does: d * q, then + m."""
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    nibbles = blocks[:, 4:]
-    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=1).astype(np.float32)
-    return torch.from_numpy(d * q + m).reshape(n_out, -1).contiguous()
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -67,22 +54,20 @@ def main() -> None:
 
     layers, exact, permuted = [], 0, 0
     for layer in range(30):
-        for proj, hf_name in PROJECTIONS.items():
+        for proj, hf_name in LAYER_LINEARS.items():
             t = tensors[f"blk.{layer}.{proj}.weight"]
             assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1, (t.name, t.tensor_type)
             n_out = int(t.shape[1])
-            blocks = np.ascontiguousarray(np.asarray(t.data)).reshape(-1, 20)
-            weight = dequantise(blocks, n_out)
+            blocks = torch.from_numpy(np.ascontiguousarray(np.asarray(t.data)).copy()).reshape(n_out, -1, 20)
+            weight = dequantise(blocks, "q4_1").contiguous()
             engine_weight = converted[f"model.layers.{layer}.{hf_name}.weight"]
             if torch.equal(weight, engine_weight):
                 exact += 1
             else:  # q/k: llama.cpp interleaves each 64-row head's two RoPE halves; transformers undoes it
-                assert proj in ("attn_q", "attn_k"), t.name
-                heads = n_out // 64
-                unpermuted = weight.view(heads, 32, 2, -1).transpose(1, 2).reshape(n_out, -1)
-                assert torch.equal(unpermuted, engine_weight), t.name
+                assert proj in ROPE_PERMUTED, t.name
+                assert torch.equal(dequantise(unpermute_rope_rows(blocks, 64), "q4_1"), engine_weight), t.name
                 permuted += 1
-            layers.append((torch.from_numpy(blocks.reshape(-1).copy()), weight, n_out))
+            layers.append((blocks.reshape(-1).contiguous(), weight, n_out))
 
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:

@@ -129,3 +129,14 @@ def test_blocks_that_are_not_the_weights_are_not_attached(tmp_path):
     assert getattr(q_proj, "packed", None) is None
     assert v_proj.packed.format == "q8_0" and torch.equal(v_proj.packed.blocks, v_blocks)
     assert attach_gguf_blocks(model, tmp_path / "tiny.gguf", folder) == 1  # the second time from the saved file
+
+
+def test_a_damaged_blocks_file_leaves_the_float32_weights(tmp_path, caplog):
+    """The blocks only speed decode up: a file that cannot be read is logged, and nothing is attached."""
+    loaded, _ = make_tiny(12)
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / "gguf_blocks.safetensors").write_bytes(b"not a safetensors file")
+    assert attach_gguf_blocks(loaded.model, tmp_path / "missing.gguf", folder) == 0
+    assert not any(getattr(m, "packed", None) is not None for m in loaded.model.modules())
+    assert "not used" in caplog.text

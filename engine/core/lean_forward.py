@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from engine.core import kernels as cpu_kernels
-from engine.core.linear import is_plain_linear, linear, linear_cat
+from engine.core.linear import is_plain_linear, linear_map
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 Linear = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]
@@ -52,13 +52,9 @@ def supports(model: torch.nn.Module, cache_dtype: torch.dtype, device: torch.dev
 
 def side_by_side(modules: list[torch.nn.Linear]) -> Linear:
     """One float32 linear map computing every module's output side by side, from the modules' own
-    weights (`engine.core.linear.linear_cat`: one kernel call, no concatenated copy of them; their
-    GGUF blocks where the loader attached them)."""
-    if len(modules) == 1:
-        module = modules[0]
-        return lambda x: linear(x, module.weight, module.bias, getattr(module, "packed", None))
-    return lambda x: linear_cat(x, [m.weight for m in modules], [m.bias for m in modules],
-                                [getattr(m, "packed", None) for m in modules])
+    weights (`engine.core.linear.linear_map`: one kernel call, no concatenated copy of them; their
+    GGUF blocks where the model runner kept them, which it does before any stack is built)."""
+    return linear_map(modules)
 
 
 class LeanStack:

@@ -15,10 +15,11 @@ before. The kernel's result for a row does not depend on the other rows of the c
 decodes the same alone or in any batch. `MAGICDEC_SMALL_GEMM=0` turns it off (for side-by-side
 benchmarks).
 
-A module may carry `packed`, the GGUF blocks its float32 weight was de-quantised from (Q4_1 or Q8_0;
-`keep_gguf_blocks`, where the kernel reads them, through `engine.models.gguf_blocks`, which checks
-they de-quantise to exactly that weight): the kernel then reads the blocks (0.625 or 1.06 bytes a weight instead of 4) and gives the same bits;
-`MAGICDEC_GGUF_BLOCKS=0` reads the float32 copy instead. Not here: low-precision draft GEMMs
+A module may carry `packed`, the GGUF blocks its float32 weight was de-quantised from (Q4_1 or
+Q8_0). `keep_gguf_blocks` gives them where the kernel reads them, through `engine.models.gguf_blocks`,
+which checks that they de-quantise to exactly that weight. The kernel then reads the blocks (0.625 or
+1.06 bytes a weight instead of 4) and gives the same bits; with `MAGICDEC_GGUF_BLOCKS=0` it reads
+the float32 copy. Not here: low-precision draft GEMMs
 (`engine.spec.draft.gemms`), sharded layers (DeepSpeed's keep their own forward), attention.
 """
 
@@ -82,7 +83,7 @@ def linear_path(device: torch.device, dtype: torch.dtype, model: torch.nn.Module
         isa = "avx512" if "avx512f" in cpu_kernels.cpu_flags().split() else "avx2"
         path = f"few-row CPU kernel ({isa}) up to {max_rows()} rows, torch above"
         packed = [m.packed.format for m in (model.modules() if model is not None else [])
-                  if isinstance(m, EngineLinear) and m.packed is not None and m.packed.format in _blocks_read()]
+                  if isinstance(m, EngineLinear) and m.packed is not None]
         if packed:
             counts = ", ".join(f"{packed.count(name)} {name.upper()}" for name in sorted(set(packed)))
             path += f"; reads GGUF blocks for {counts} weights"
@@ -112,16 +113,29 @@ def _blocks_args(packed: list[PackedWeight | None]) -> dict:
             "formats": [FORMATS[p.format] if p is not None else 0 for p in use]}
 
 
+def _small_linear(kernel, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                  blocks_args: dict) -> torch.Tensor:
+    """The kernel's x [..., K] -> [..., sum of N_i] (biases contiguous, blocks_args from `_blocks_args`)."""
+    out = kernel.small_linear_cat(x.reshape(-1, x.shape[-1]).contiguous(), weights, biases, **blocks_args)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _torch_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+    """torch's x [..., K] -> [..., sum of N_i] (one weight: no concatenated copy)."""
+    if len(weights) == 1:
+        return F.linear(x, weights[0], biases[0])
+    return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+
+
+def _contiguous(biases: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [b.contiguous() if b is not None else None for b in biases]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]: the kernel where it applies (reading
     `packed`'s blocks if given and read here), else F.linear."""
-    kernel = _kernel_for(x, [weight], [bias])
-    if kernel is not None:
-        out = kernel.small_linear_cat(x.reshape(-1, x.shape[-1]).contiguous(), [weight],
-                                      [bias.contiguous() if bias is not None else None], **_blocks_args([packed]))
-        return out.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+    return linear_cat(x, [weight], [bias], [packed])
 
 
 def linear_cat(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
@@ -131,17 +145,31 @@ def linear_cat(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.
     `linear` gives it alone."""
     kernel = _kernel_for(x, weights, biases)
     if kernel is not None:
-        out = kernel.small_linear_cat(x.reshape(-1, x.shape[-1]).contiguous(), weights,
-                                      [b.contiguous() if b is not None else None for b in biases],
-                                      **_blocks_args(packed or [None] * len(weights)))
-        return out.view(*x.shape[:-1], out.shape[-1])
-    return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+        return _small_linear(kernel, x, weights, _contiguous(biases), _blocks_args(packed or [None] * len(weights)))
+    return _torch_linear(x, weights, biases)
+
+
+def linear_map(modules: list[torch.nn.Linear]):
+    """`linear_cat` over these modules' weights, biases and GGUF blocks as they are now, with the
+    kernel's arguments worked out once (for forwards built after the blocks are kept): [..., K] ->
+    [..., sum of N_i]."""
+    weights, biases = [m.weight for m in modules], [m.bias for m in modules]
+    kernel_biases = _contiguous(biases)
+    blocks_args = _blocks_args([getattr(m, "packed", None) for m in modules])
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        kernel = _kernel_for(x, weights, biases)
+        if kernel is not None:
+            return _small_linear(kernel, x, weights, kernel_biases, blocks_args)
+        return _torch_linear(x, weights, biases)
+
+    return forward
 
 
 class EngineLinear(torch.nn.Linear):
     """An `nn.Linear` whose forward takes `linear` inside the engine's forwards (see the module docstring)."""
 
-    packed: PackedWeight | None = None  # the GGUF blocks of its weight, where the loader attached them
+    packed: PackedWeight | None = None  # the GGUF blocks of its weight, where `keep_gguf_blocks` kept them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _in_engine.get():

@@ -14,6 +14,7 @@ Not here: the conversion, the kernel, and other block formats (those layers stay
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ LAYER_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "at
                  "ffn_down": "mlp.down_proj"}
 ROPE_PERMUTED = ("attn_q", "attn_k")  # llama.cpp interleaves each head's two RoPE halves in these rows
 PLAIN_LINEARS = ("Linear", "EngineLinear")  # torch's, and the engine's subclass of it (engine.core.linear)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,6 @@ class PackedWeight:
 
     format: str  # a key of BLOCK_BYTES
     blocks: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.numel()
 
 
 def dequantise(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -69,20 +67,33 @@ def unpermute_rope_rows(blocks: torch.Tensor, head_dim: int) -> torch.Tensor:
 def attach_gguf_blocks(model: torch.nn.Module, gguf: Path, folder: Path) -> int:
     """Give the model's linears converted from `gguf` their blocks (`module.packed`); returns how many.
 
-    folder: the converted copy's folder, where the blocks are saved the first time (checked there)."""
+    folder: the converted copy's folder, where the blocks are saved the first time (checked there).
+    The blocks only make decode faster: if they cannot be written or read (a full disk, a damaged
+    file), that is logged and the model keeps its float32 weights alone."""
+    path = folder / BLOCKS_FILE
+    try:
+        if not path.is_file():
+            with file_lock(folder.with_name(folder.name + ".blocks.lock"),
+                           on_wait=waiting(f"for {path} to be written")):
+                if not path.is_file():
+                    with step(f"keeping {gguf.name}'s blocks for decode steps in {path} (once)",
+                              f"kept {gguf.name}'s blocks"):
+                        _save_blocks(model, gguf, path)
+        found = _read_blocks(model, path) if path.is_file() else {}
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the float32 weights, which are correct
+        log.warning("GGUF blocks of %s not used (%s): decode steps read the float32 weights", gguf.name,
+                    str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        return 0
+    for module, packed in found.items():
+        module.packed = packed
+    return len(found)
+
+
+def _read_blocks(model: torch.nn.Module, path: Path) -> dict[torch.nn.Module, PackedWeight]:
+    """The saved blocks whose shape fits their module's weight, by module."""
     from safetensors import safe_open
 
-    path = folder / BLOCKS_FILE
-    if not path.is_file():
-        with file_lock(folder.with_name(folder.name + ".blocks.lock"),
-                       on_wait=waiting(f"for {path} to be written")):
-            if not path.is_file():
-                with step(f"keeping {gguf.name}'s blocks for decode steps in {path} (once)",
-                          f"kept {gguf.name}'s blocks"):
-                    _save_blocks(model, gguf, path)
-    if not path.is_file():
-        return 0
-    count = 0
+    found = {}
     with safe_open(str(path), framework="pt") as handle:
         formats = handle.metadata() or {}
         for name in handle.keys():
@@ -90,9 +101,8 @@ def attach_gguf_blocks(model: torch.nn.Module, gguf: Path, folder: Path) -> int:
             blocks = handle.get_tensor(name)
             N, K = module.weight.shape
             if formats.get(name) in BLOCK_BYTES and blocks.shape == (N, K // BLOCK_WEIGHTS, BLOCK_BYTES[formats[name]]):
-                module.packed = PackedWeight(formats[name], blocks)
-                count += 1
-    return count
+                found[module] = PackedWeight(formats[name], blocks)
+    return found
 
 
 def _save_blocks(model: torch.nn.Module, gguf_path: Path, path: Path) -> None:
@@ -131,8 +141,11 @@ def _save_blocks(model: torch.nn.Module, gguf_path: Path, path: Path) -> None:
                 kept[module_name], formats[module_name] = candidate, fmt
                 break
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file(kept, str(tmp), metadata=formats)
-    os.replace(tmp, path)
+    try:
+        save_file(kept, str(tmp), metadata=formats)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _module_for(gguf_name: str, *, has_output: bool) -> tuple[str | None, str | None]:

@@ -42,13 +42,12 @@ def source_gguf(spec: str) -> Path | None:
 
 def resolve_model_folder(spec: str) -> Path:
     """A folder transformers can load with `from_pretrained` (GGUFs converted into the cache)."""
-    if spec in PACKAGED_MODELS:
-        return converted_gguf_folder(packaged_gguf(spec))
+    gguf = source_gguf(spec)
+    if gguf is not None:
+        return converted_gguf_folder(gguf)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise JobError(f"model: GGUF file {spec} not found")
-        return converted_gguf_folder(path)
+        raise JobError(f"model: GGUF file {spec} not found")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise JobError(f"model: {spec} is a folder without config.json (not a Hugging Face model folder)")

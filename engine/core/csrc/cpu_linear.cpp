@@ -202,17 +202,23 @@ bool small_linear_available() {
 #endif
 }
 
-// Which weight formats small_linear_cat reads here (ids of WeightFormat): float32 wherever the kernel
-// is compiled in, GGUF blocks where F16C is too.
-std::vector<int64_t> small_linear_formats() {
-  std::vector<int64_t> formats;
+// Whether small_linear_cat reads weights in this format here: float32 wherever the kernel is
+// compiled in, GGUF blocks where F16C is too.
+bool reads_format(int64_t format) {
 #ifdef MAGICDEC_SMALL_LINEAR
-  formats.push_back(kFloat32);
+  if (format == kFloat32) return true;
 #endif
 #ifdef MAGICDEC_GGUF_BLOCKS
-  formats.push_back(kQ4_1);
-  formats.push_back(kQ8_0);
+  if (format == kQ4_1 || format == kQ8_0) return true;
 #endif
+  return false;
+}
+
+// The weight formats small_linear_cat reads here (ids of WeightFormat).
+std::vector<int64_t> small_linear_formats() {
+  std::vector<int64_t> formats;
+  for (int64_t format : {kFloat32, kQ4_1, kQ8_0})
+    if (reads_format(format)) formats.push_back(format);
   return formats;
 }
 
@@ -233,7 +239,6 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
   std::vector<const float*> wps(parts), bps(parts, nullptr);
   std::vector<const uint8_t*> blockps(parts, nullptr);
   std::vector<int64_t> widths(parts), columns(parts + 1, 0), first_tile(parts + 1, 0), fmts(parts, kFloat32);
-  const auto compiled = small_linear_formats();
   for (int64_t i = 0; i < parts; ++i) {
     const auto& w = weights[i];
     TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.dtype() == torch::kFloat32 && w.is_contiguous(),
@@ -247,8 +252,7 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
     }
     if (!formats.empty() && formats[i] != kFloat32) {
       fmts[i] = formats[i];
-      TORCH_CHECK(std::find(compiled.begin(), compiled.end(), fmts[i]) != compiled.end(),
-                  "weight format ", fmts[i], " is not compiled in here (see small_linear_formats)");
+      TORCH_CHECK(reads_format(fmts[i]), "weight format ", fmts[i], " is not compiled in here (see small_linear_formats)");
       TORCH_CHECK(blocks[i].has_value(), "a GGUF-format weight needs its blocks");
       const auto& q = *blocks[i];
       TORCH_CHECK(K % kBlock == 0 && q.dtype() == torch::kUInt8 && q.is_contiguous() &&
