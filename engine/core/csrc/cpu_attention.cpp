@@ -695,15 +695,18 @@ MAGICDEC_ONE_COPY void attend_blocks(const RowState& st, int64_t R, int64_t T, i
         continue;
       }
       st.live[n_live++] = static_cast<int>(r);
-      const float correction = std::exp(st.row_max[r] - m);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < kBlock; ++i) {
-        const float x = s[i];
-        const float p = x > 0.5f * kNoMax ? std::exp(x - m) : 0.0f;
-        s[i] = p;
-        sum += p;
+      const float correction =
+          st.row_max[r] == m ? 1.0f : _mm512_cvtss_f32(exp2_nonpos16(_mm512_set1_ps((st.row_max[r] - m) * kLog2e)));
+      const __m512 mv = _mm512_set1_ps(m), log2e = _mm512_set1_ps(kLog2e);
+      __m512 sums = _mm512_setzero_ps();
+      for (int64_t group = 0; group < kBlock; group += 16) {
+        const __m512 x = _mm512_loadu_ps(s + group);
+        const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(0.5f * kNoMax), _CMP_GT_OQ);
+        const __m512 p = _mm512_maskz_mov_ps(seen, exp2_nonpos16(_mm512_mul_ps(_mm512_sub_ps(x, mv), log2e)));
+        _mm512_storeu_ps(s + group, p);
+        sums = _mm512_add_ps(sums, p);
       }
+      const float sum = _mm512_reduce_add_ps(sums);
       st.row_sum[r] = st.row_sum[r] * correction + sum;
       st.row_max[r] = m;
       if (correction != 1.0f) {
