@@ -1,7 +1,8 @@
 """The draft's compact store shows exactly what the compressor's view of the full cache shows.
 
 Brute force: rounds of a self-speculating row are simulated on a random cache (the draft writes its
-tokens into the store, verification rewrites the cache, a random number of drafts is accepted), and
+tokens into the store, verification rewrites the cache, a random number of drafts is accepted; runs
+of plain rounds in between, whose copies into the store wait until a draft reads it), and
 at every draft step the positions the store shows must be the view's positions (`compose_view`), with
 the K/V of committed positions equal to the cache's (in bfloat16) and those of the round's own drafts
 equal to what the draft wrote. A guided view re-selects its kept part from a random
@@ -26,7 +27,7 @@ EXTRA = 5  # gamma_max 4, plus the pending token
 
 def make(method: str, budget: int, copy: bool = True, sink: int = 4):
     g = torch.Generator().manual_seed(0)
-    cache = KVCache(layers=LAYERS, slots=SLOTS, kv_heads=KV_HEADS, head_dim=D, capacity=600,
+    cache = KVCache(layers=LAYERS, slots=SLOTS, kv_heads=KV_HEADS, head_dim=D, capacity=4000,
                     dtype=torch.float32, device="cpu")
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
@@ -75,6 +76,15 @@ def test_store_shows_the_view_through_rounds(method, budget, sink, prompt_len, d
     store, committed = compressor.compact, prompt_len
     drafted = {}  # position -> the K/V the draft wrote there
     for _ in range(40):
+        if draft == "self" and int(torch.randint(0, 3, (1,), generator=g)) == 0:
+            # Plain rounds (`gamma: auto` not speculating): the store is not read, its copies wait.
+            plain = int(torch.randint(1, 3 * budget, (1,), generator=g))
+            for _ in range(min(plain, cache.capacity - committed - 2 * EXTRA)):
+                cache.k[:, slot, :, committed] = torch.randn(LAYERS, KV_HEADS, D, generator=g)
+                cache.v[:, slot, :, committed] = torch.randn(LAYERS, KV_HEADS, D, generator=g)
+                committed += 1
+                cache.set_length(slot, committed)
+                compressor.committed(slot, committed)
         gamma = int(torch.randint(1, EXTRA, (1,), generator=g))
         if draft == "self":
             drafted = {}  # committed positions hold the target's K/V, from the cache

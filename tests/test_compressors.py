@@ -70,6 +70,27 @@ def is_top(chosen: set[int], scores: list[float], keep: int) -> bool:
     return len(chosen) == count and all(scores[j] >= threshold - 1e-6 for j in chosen)
 
 
+@pytest.mark.parametrize("head_dim,window,prompt_len", [(8, 6, 120), (64, 32, 300), (64, 20, 40), (64, 1, 65)])
+def test_prompt_window_scores_in_one_kernel_call_match_the_loops(head_dim, window, prompt_len):
+    """The kernel's attention mass of the window's queries (every layer in one call) is the brute-force
+    loop's softmax summed over window and group heads, for every layer and KV head."""
+    from engine.core import kernels
+    from engine.spec.compressors.snapkv import prompt_window_scores
+
+    if kernels.load() is None:
+        pytest.skip("the fused CPU kernel is not built here (no compiler): the layer loop is the only path")
+    cache = random_cache(layers=3, slots=SLOTS, kv_heads=KV_HEADS, head_dim=head_dim, capacity=800, seed=3)
+    observed = torch.randn(3, HEADS, window, head_dim, generator=torch.Generator().manual_seed(4))
+    slot = 1
+    got = prompt_window_scores(observed, cache, slot, prompt_len)  # [layers, kv_heads, prompt_len]
+    assert got.shape == (3, KV_HEADS, prompt_len)
+    for layer in range(3):
+        want = window_attention_scores(observed[layer], cache.k[layer, slot, :, :prompt_len], prompt_len, window)
+        for h in range(KV_HEADS):
+            assert torch.allclose(got[layer, h].double(), torch.tensor(want[h], dtype=torch.float64),
+                                  rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("pooling", ["avgpool", "maxpool"])
 def test_snapkv_selection_matches_brute_force(pooling):
     cache = filled_cache(seed=1)

@@ -138,6 +138,8 @@ class FixedKeptView:
         self._cached = None
         self.slots = slots  # [B], with a compact store
         self.compact = compact  # the same view held in the draft's own store (read by the lean forward)
+        if compact is not None:
+            compact.sync(slots.tolist())  # committed K/V still due go in before the draft reads or writes
 
     def compact_entries(self) -> torch.Tensor:
         """The position each compact-store entry shows each row (-1: hidden): [B, S]."""

@@ -12,8 +12,11 @@ attention over a 512-entry view costs about half as much (BENCHMARKS.md). This i
 - The lean draft forward (`engine.draft_forward`) writes the K/V of the tokens it drafts straight
   here, at `rows_for(positions)`.
 - `copy_committed` (self-speculation): after a round, the newest `extra` positions up to the committed
-  length are copied from the target cache, where verification wrote the target's own K/V (what the
-  full-cache view would read). A separate draft model keeps its own K/V: it wrote them while drafting.
+  length are to come from the target cache, where verification wrote the target's own K/V (what the
+  full-cache view would read). The copy waits until a draft next reads the slot (`sync`, when a view
+  is made): under `gamma: auto` most rounds may be plain, and their K/V then go over in one copy of
+  the positions a view can show, not one copy a round. A separate draft model keeps its own K/V: it
+  wrote them while drafting.
 - `refill` (a guided view, whose kept part changes every round): the kept entries whose position
   changed take that position's K/V from the cache.
 
@@ -52,6 +55,7 @@ class CompactStore:
         self.k = torch.zeros(shape, dtype=dtype, device=cache.device)  # [layers, slots, kv_heads, S, D]
         self.v = torch.zeros(shape, dtype=dtype, device=cache.device)
         self.entry_pos = torch.full((cache.slots, size), -1, dtype=torch.long, device=cache.device)  # [slots, S]
+        self.stale: dict[int, tuple[int, int]] = {}  # slot -> positions [start, length) not copied yet
 
     @staticmethod
     def bytes_needed(*, layers: int, slots: int, kv_heads: int, head_dim: int, kept: int, budget: int,
@@ -72,6 +76,7 @@ class CompactStore:
         and the positions [recent_start, length)."""
         layers, kv_heads, n = kept.shape
         self.entry_pos[slot] = -1
+        self.stale.pop(slot, None)
         if n:
             index = kept[..., None].expand(layers, kv_heads, n, self.cache.head_dim)  # [layers, kv_heads, n, D]
             self.k[:, slot, :, :n] = self.cache.k[:, slot].gather(2, index).to(self.k.dtype)
@@ -80,10 +85,24 @@ class CompactStore:
         self._copy(slot, max(recent_start, length - self.ring), length)
 
     def copy_committed(self, slot: int, length: int) -> None:
-        """The slot committed positions up to `length`: take the target's K/V for the round's ones
-        (a round verifies at most `extra` positions)."""
+        """The slot committed positions up to `length`: the target's K/V of the round's ones (a round
+        verifies at most `extra` positions) are due, copied at the slot's next `sync`."""
         if self.copy_from_cache:
-            self._copy(slot, max(length - self.extra, 0), length)
+            start = max(length - self.extra, 0)
+            if slot in self.stale:
+                start = min(start, self.stale[slot][0])
+            self.stale[slot] = (start, length)
+
+    def sync(self, slots: list[int]) -> None:
+        """Copy what `copy_committed` left due for these slots, in one copy per slot: the due positions
+        a view can still show (a draft reads at ends > length, and shows at most the newest `budget`
+        ring positions). Older ones stay as they are, hidden; so do the entries a round drafts into
+        (positions >= length, ring entries of positions < length - budget), whichever comes first."""
+        for slot in slots:
+            due = self.stale.pop(slot, None)
+            if due is not None:
+                start, length = due
+                self._copy(slot, max(start, length - self.budget, 0), length)
 
     def _copy(self, slot: int, start: int, length: int) -> None:
         """Positions [start, length) of the cache into their entries (start >= length - ring)."""
@@ -108,6 +127,7 @@ class CompactStore:
 
     def release(self, slot: int) -> None:
         self.entry_pos[slot] = -1
+        self.stale.pop(slot, None)
 
     def visible(self, slots: torch.Tensor, ends: torch.Tensor, kept_count: torch.Tensor,
                 kept_end: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 
 from engine.core import kernels as cpu_kernels
 from engine.spec.compressors.base import Compressor, FixedKeptView
-from engine.spec.compressors.snapkv import pool_scores, window_scores
+from engine.spec.compressors.snapkv import pool_scores, prompt_window_scores
 
 
 class Guided(Compressor):
@@ -84,11 +84,9 @@ class Guided(Compressor):
         window = observed.shape[2]
         cache = self.cache
         with self.timer:
-            scores = torch.empty(cache.layers, 1, cache.kv_heads, prompt_len, device=cache.device)
-            for layer in range(cache.layers):
-                keys = cache.k[layer, slot, :, :prompt_len]  # [kv_heads, prompt_len, D]
-                mass = window_scores(observed[layer], keys, prompt_len)  # [kv_heads, prompt_len]
-                scores[layer, 0] = pool_scores(mass, self.config.kernel_size, self.config.pooling) / (self.group * window)
+            mass = prompt_window_scores(observed, cache, slot, prompt_len)  # [layers, kv_heads, prompt_len]
+            pooled = pool_scores(mass.reshape(-1, prompt_len), self.config.kernel_size, self.config.pooling)
+            scores = (pooled / (self.group * window)).view(cache.layers, 1, cache.kv_heads, prompt_len)
             slots = torch.tensor([slot], dtype=torch.long, device=cache.device)
             self.kept_count[slot] = 0  # a new sequence: no kept entry holds anything yet
             if self.scores is not None:  # the smoothed scores start from these

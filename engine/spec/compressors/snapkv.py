@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.core import kernels as cpu_kernels
+from engine.core.attention import KERNEL_CACHE_DTYPES
+from engine.core.kv_cache import KVCache
 from engine.spec.compressors.base import Compressor, FixedKeptView
 
 
@@ -38,12 +41,12 @@ class SnapKV(Compressor):
         self.kept_count[slot] = count
         if count:
             with self.timer:
-                for layer in range(self.cache.layers):
-                    keys = self.cache.k[layer, slot, :, :prompt_len]  # [kv_heads, prompt_len, D]
-                    scores = window_scores(observed[layer], keys, prompt_len)[:, :region]  # [kv_heads, region]
-                    pooled = pool_scores(scores, self.config.kernel_size, self.config.pooling)
-                    top = pooled.topk(count, dim=-1).indices.sort(dim=-1).values  # [kv_heads, count]
-                    self.kept[layer, slot, :, :count] = top
+                scores = prompt_window_scores(observed, self.cache, slot, prompt_len)[..., :region]
+                layers, kv_heads = scores.shape[:2]  # scores: [layers, kv_heads, region]
+                pooled = pool_scores(scores.reshape(layers * kv_heads, region), self.config.kernel_size,
+                                     self.config.pooling).view(layers, kv_heads, region)
+                top = pooled.topk(count, dim=-1).indices.sort(dim=-1).values  # [layers, kv_heads, count]
+                self.kept[:, slot, :, :count] = top
         if self.compact is not None:
             recent_start = max(region, 0, prompt_len - (self.budget - count))
             self.compact.fill(slot, self.kept[:, slot, :, :count], recent_start, prompt_len)
@@ -60,6 +63,33 @@ class SnapKV(Compressor):
                              self.kept_count.index_select(0, index), self.kept_end.index_select(0, index),
                              ends_t, self.budget, self.timer, layer_invariant=False, slots=index,
                              compact=self.compact)
+
+
+def prompt_window_scores(observed: torch.Tensor, cache: KVCache, slot: int, prompt_len: int) -> torch.Tensor:
+    """`window_scores` of every layer of a slot's prompt: observed [layers, heads, window, D] ->
+    [layers, kv_heads, prompt_len].
+
+    On a CPU with the fused kernel, one call for all layers: the window's queries are the new tokens
+    of a row that ends at the prompt's end (token t sees positions <= prompt_len - window + t, the
+    causal rule), and the kernel's attention mass is this softmax summed over the window and the
+    group's heads, in one pass over the keys (each layer's slot a row of the cache viewed as
+    [layers * slots, ...]). Elsewhere, `window_scores` layer by layer.
+    """
+    layers, heads, window, D = observed.shape
+    kv_heads = cache.kv_heads
+    kernel = cpu_kernels.load() if cache.device.type == "cpu" and cache.k.dtype in KERNEL_CACHE_DTYPES else None
+    if kernel is None:
+        return torch.stack([window_scores(observed[layer], cache.k[layer, slot, :, :prompt_len], prompt_len)
+                            for layer in range(layers)])
+    # [layers, kv_heads, group * window, D]: heads of a group, token fastest (the kernel's row order)
+    q = (observed.float() * D ** -0.5).reshape(layers, kv_heads, (heads // kv_heads) * window, D).contiguous()
+    planes = cache.layers * cache.slots
+    k = cache.k.view(planes, kv_heads, cache.capacity, D)  # [layers * slots, kv_heads, capacity, D]
+    v = cache.v.view(planes, kv_heads, cache.capacity, D)
+    rows = torch.arange(layers, dtype=torch.long) * cache.slots + slot  # layer l's plane of this slot
+    ends = torch.full((layers,), prompt_len, dtype=torch.long)
+    _, mass = kernel.attend_cached_scores(q, k, v, rows, ends, window, prompt_len)
+    return mass  # [layers, kv_heads, prompt_len]
 
 
 def window_scores(queries: torch.Tensor, keys: torch.Tensor, prompt_len: int) -> torch.Tensor:
