@@ -121,7 +121,7 @@ def magicdec_attention(module, query, key, value, attention_mask=None, scaling=N
     if batch.write_kv:
         cache.write(layer, batch.write_slots, batch.write_positions, key, value)
     if isinstance(batch, PrefillBatch):
-        kernel = cpu_kernels.load() if _prefill_fused_ok(query, cache) else None
+        kernel = cpu_kernel_for(query, cache)
         return attend_prefill(kernel, query, cache.k[layer], cache.v[layer], batch, layer, scale), None
     if batch.view is not None:
         positions, valid = batch.view.select(layer, query)
@@ -177,8 +177,10 @@ _register()
 KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the fused CPU kernels read (float32 math)
 
 
-def _prefill_fused_ok(query: torch.Tensor, cache: KVCache) -> bool:
-    return query.device.type == "cpu" and cache.k.dtype in KERNEL_CACHE_DTYPES and cpu_kernels.load() is not None
+def cpu_kernel_for(query: torch.Tensor, cache: KVCache):
+    """The fused CPU kernels where they can attend `query` over `cache` here (a CPU, a cache dtype they
+    read, a build), else None."""
+    return cpu_kernels.load() if query.device.type == "cpu" and cache.k.dtype in KERNEL_CACHE_DTYPES else None
 
 
 def _fused_ok(query: torch.Tensor, cache: KVCache) -> bool:

@@ -91,14 +91,18 @@ def linear_path(device: torch.device, dtype: torch.dtype, model: torch.nn.Module
     return "torch"
 
 
-def _kernel_for(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
-    """The kernel if it takes x [..., K] against these float32 weights here (1..max_rows() rows on CPU),
-    else None."""
+def _weights_fit(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> bool:
+    """Whether the kernel takes these weights and biases (float32, weights contiguous)."""
+    return (all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
+            and all(b is None or b.dtype == torch.float32 for b in biases))
+
+
+def _kernel_for_input(x: torch.Tensor):
+    """The kernel if it takes x [..., K] here (float32, 1..max_rows() rows on CPU), else None; the
+    weights are checked apart (`_weights_fit`)."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if not (0 < rows <= max_rows() and x.device.type == "cpu" and x.dtype == torch.float32
-            and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
-            and all(b is None or b.dtype == torch.float32 for b in biases)):
+    if not (0 < rows <= max_rows() and x.device.type == "cpu" and x.dtype == torch.float32):
         return None
     return _kernel()
 
@@ -143,7 +147,7 @@ def linear_cat(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.
     """Every weight's `linear` side by side: x [..., K] -> [..., sum of N_i] (a fused q|k|v or gate|up
     projection over the model's own separate weights, no concatenated copy). Each output has the bits
     `linear` gives it alone."""
-    kernel = _kernel_for(x, weights, biases)
+    kernel = _kernel_for_input(x) if _weights_fit(weights, biases) else None
     if kernel is not None:
         return _small_linear(kernel, x, weights, _contiguous(biases), _blocks_args(packed or [None] * len(weights)))
     return _torch_linear(x, weights, biases)
@@ -151,14 +155,15 @@ def linear_cat(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.
 
 def linear_map(modules: list[torch.nn.Linear]):
     """`linear_cat` over these modules' weights, biases and GGUF blocks as they are now, with the
-    kernel's arguments worked out once (for forwards built after the blocks are kept): [..., K] ->
-    [..., sum of N_i]."""
+    weight checks and the kernel's arguments worked out once (for forwards built after the blocks are
+    kept): [..., K] -> [..., sum of N_i]."""
     weights, biases = [m.weight for m in modules], [m.bias for m in modules]
+    fit = _weights_fit(weights, biases)
     kernel_biases = _contiguous(biases)
     blocks_args = _blocks_args([getattr(m, "packed", None) for m in modules])
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        kernel = _kernel_for(x, weights, biases)
+        kernel = _kernel_for_input(x) if fit else None
         if kernel is not None:
             return _small_linear(kernel, x, weights, kernel_biases, blocks_args)
         return _torch_linear(x, weights, biases)

@@ -25,8 +25,8 @@
 //    a vectorised base-2 exponential, values 2 query rows x 32 dims per register tile; bfloat16
 //    blocks are widened once into a float32 scratch and shared by every query row; a block no query
 //    row may see (a compact store's ring entries outside the view) is skipped unread;
-//  - AVX-512, head sizes 32, 64, 96, 128: scores 16 entries per query row at once, up to 4 query
-//    rows' outputs per V row loaded.
+//  - AVX-512, head sizes 32, 64, 96, 128: scores 16 entries per query row at once, the same base-2
+//    exponential 16 lanes wide, up to 4 query rows' outputs per V row loaded.
 // The AVX2 and AVX-512 tasks each have a group task (attend_cached_shared) over the same block loop.
 // Where both vector paths are compiled in, AVX-512 takes what it covers and AVX2 the rest.
 // `use_vector_path(false)` forces the portable one (the tests check both).

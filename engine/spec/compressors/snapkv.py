@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.core import kernels as cpu_kernels
-from engine.core.attention import KERNEL_CACHE_DTYPES
+from engine.core.attention import cpu_kernel_for
 from engine.core.kv_cache import KVCache
 from engine.spec.compressors.base import Compressor, FixedKeptView
 
@@ -77,7 +76,7 @@ def prompt_window_scores(observed: torch.Tensor, cache: KVCache, slot: int, prom
     """
     layers, heads, window, D = observed.shape
     kv_heads = cache.kv_heads
-    kernel = cpu_kernels.load() if cache.device.type == "cpu" and cache.k.dtype in KERNEL_CACHE_DTYPES else None
+    kernel = cpu_kernel_for(observed, cache)
     if kernel is None:
         return torch.stack([window_scores(observed[layer], cache.k[layer, slot, :, :prompt_len], prompt_len)
                             for layer in range(layers)])
