@@ -334,6 +334,12 @@ def magicdec(*args, env: dict | None = None) -> subprocess.CompletedProcess:
                           env=full_env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
+def all_reduce_buffers() -> set[str]:
+    """This user's DeepSpeed shared-memory all-reduce buffers now in /dev/shm (each is 67 MB of RAM)."""
+    prefix = f"{shm_allreduce.BUFFER_PREFIX}_{os.getuid()}_"
+    return {p.name for p in shm_allreduce.SHM_DIR.glob(prefix + "*")}
+
+
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     """method -> {id: text} of the one-process run (computed once per method)."""
@@ -362,6 +368,7 @@ def test_tp2_greedy_output_is_identical_to_one_process(tmp_path, single_process,
     stale = shm_allreduce.extensions_dir() / shm_allreduce.OP_NAME / "lock"
     stale.parent.mkdir(parents=True, exist_ok=True)
     stale.touch()
+    buffers_before = all_reduce_buffers()
     result = magicdec("generic", "-i", data, "-o", out, "--tp", "2", "--set", f"draft.method={method}", *JOB, "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)  # stdout holds exactly one JSON object, DeepSpeed's chatter is kept off it
@@ -370,6 +377,7 @@ def test_tp2_greedy_output_is_identical_to_one_process(tmp_path, single_process,
         assert summary["speculative"]["draft_tokens"] > 0
     assert texts_by_id(out) == single_process(method)
     assert not stale.exists(), "the stale build lock was cleared"
+    assert all_reduce_buffers() <= buffers_before, "the job left DeepSpeed's all-reduce buffers in /dev/shm"
 
 
 @pytest.mark.slow
@@ -395,6 +403,7 @@ def test_killed_tensor_parallel_rank_ends_the_job_and_resume_completes_it(tmp_pa
     # lookahead 1: requests are pulled as slots free up, so the follower meets a pull after 2 rows.
     args = ["generic", "-i", data, "-o", out, "--tp", "2", "--set", "draft.method=snapkv", *JOB,
             "--set", "batch.lookahead=1", "--quiet"]
+    buffers_before = all_reduce_buffers()
     started = time.monotonic()
     killed = magicdec(*args, env=die_after_rows(2))
     assert time.monotonic() - started < 120, "the job must not hang when a rank dies"
@@ -402,6 +411,7 @@ def test_killed_tensor_parallel_rank_ends_the_job_and_resume_completes_it(tmp_pa
     assert "rank 1 exited with code 9" in killed.stderr and "--resume" in killed.stderr
     kept = kept_rows(out)
     assert len(kept) >= 2, "the rows finished before the failure are kept"
+    assert all_reduce_buffers() <= buffers_before, "a killed job left DeepSpeed's all-reduce buffers in /dev/shm"
 
     resumed = magicdec(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr

@@ -75,6 +75,9 @@ class Group:
                 if device.type == "cpu":
                     shm_allreduce.prepare(deepspeed)  # never waits on a killed build's lock file
                 deepspeed.init_distributed(dist_backend=backend)
+            if device.type == "cpu":  # the same on every rank, so every rank meets the barrier
+                dist.barrier()  # now every rank has mapped every rank's shared-memory buffer
+                shm_allreduce.release_buffer(dist.get_rank())
         else:
             dist.init_process_group(backend)
         # new_group is collective over the whole world: every rank creates every group, same order.

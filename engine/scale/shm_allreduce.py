@@ -7,7 +7,10 @@ and every later tensor-parallel job then hangs at start-up, silently. `prepare()
 `init_distributed` on every rank: it points the builder at magicdec's cache (unless the user set
 TORCH_EXTENSIONS_DIR), and under magicdec's own file lock removes a stale `lock` and builds or loads
 the op. DeepSpeed keeps the loaded op per process, so its own load inside `init_distributed` touches
-no lock file. This module does not decide whether the op is used (engine/scale/group.py does).
+no lock file. DeepSpeed also never unlinks the op's per-rank buffers (`/dev/shm`, 67 MB each, in
+RAM): `release_buffer()` removes the name once every rank has mapped them, so no job, finished or
+killed, leaves them behind. This module does not decide whether the op is used (engine/scale/group.py
+does).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from engine.cache_dir import cache_root, file_lock
 from engine.steps import step, waiting
 
 OP_NAME = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME, the build folder's name
+BUFFER_PREFIX = "deepspeed_allreduce_buffer"  # the op's SHM_BUFFER_NAME (deepspeed/ops/csrc/cpu/comm/shm.cpp)
+SHM_DIR = Path("/dev/shm")
 log = logging.getLogger(__name__)
 
 
@@ -56,3 +61,18 @@ def prepare(deepspeed) -> None:
         except Exception as exc:  # noqa: BLE001 - DeepSpeed retries and reports in init_distributed
             log.warning("DeepSpeed's shared-memory all-reduce did not build: %s",
                         str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+
+
+def buffer_path(rank: int) -> Path:
+    """Where the op keeps `rank`'s all-reduce buffer: shm.cpp names it by user, MASTER_ADDR, MASTER_PORT
+    and rank."""
+    return SHM_DIR / (f"{BUFFER_PREFIX}_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+                      f"{os.environ.get('MASTER_PORT')}_{rank}")
+
+
+def release_buffer(rank: int) -> None:
+    """Unlink this rank's buffer name; call it only after every rank has mapped every buffer (a barrier
+    after `init_distributed`, which returns only once this rank has opened all the others). The mappings
+    stay valid, and the kernel frees the memory when the last process using it exits. Nothing to do
+    when the op was not set up (no buffer by that name)."""
+    buffer_path(rank).unlink(missing_ok=True)
