@@ -1,10 +1,12 @@
 """One decode step's GEMMs of the default model read from its GGUF blocks against its float32 weights.
 
-Not a test: a micro-benchmark behind BENCHMARKS.md section 19. It loads the default model as the
-engine does (`ModelRunner` keeps the GGUF's blocks), then times the few-row kernel over the 210
+Not a test: a micro-benchmark behind BENCHMARKS.md sections 19 and 21. It loads the default model as
+the engine does (`ModelRunner` keeps the GGUF's blocks), then times the few-row kernel over the 210
 layer linears (Q4_1) and the lm_head (Q8_0) at M rows, each call reading the blocks, against the
-same calls reading the float32 weights. It asserts that both give the same bits. Median of
---repeats. Writes JSON.
+same calls reading the float32 weights; where the layers' Q4_1 blocks are kept as 16-output panels
+(AVX-512), it times the panels too and the same blocks read one output at a time. The three are
+timed in turn, --repeats rounds, median of each. It asserts that blocks read one output at a time
+give the float32 kernel's bits, and that panels agree with them to float32 rounding. Writes JSON.
 
     PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/block_gemm_bench.py --rows 1,4,13,16,40 \\
         --out benchmarks/results/block_gemm.json
@@ -14,16 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-from decode_setup import cpu_model_name, median_seconds
+from decode_setup import cpu_model_name
 from engine.core import kernels
 from engine.core.linear import FORMATS
 from engine.core.runner import ModelRunner
+from engine.models.gguf_blocks import PackedWeight, q4_1_from_panels
 from engine.models.loading import load_model
 
 
@@ -48,24 +52,50 @@ def main() -> None:
         row = {"rows": rows}
         for name, modules in parts.items():
             calls = [(xs[m.weight.shape[1]], m.weight, m.packed) for m in modules]
+            # the same blocks as the dot-product tiles read them (panels regrouped back)
+            dot_calls = [(x, w, PackedWeight("q4_1", q4_1_from_panels(p.blocks)) if p.format == "q4_1_panels" else p)
+                         for x, w, p in calls]
 
-            def from_blocks():
-                return [kernel.small_linear_cat(x, [w], [None], [p.blocks], [FORMATS[p.format]]) for x, w, p in calls]
+            def reading(chosen):
+                return lambda: [kernel.small_linear_cat(x, [w], [None], [p.blocks], [FORMATS[p.format]])
+                                for x, w, p in chosen]
 
             def from_float32():
                 return [kernel.small_linear(x, w, None) for x, w, _ in calls]
 
-            assert all(torch.equal(a, b) for a, b in zip(from_blocks(), from_float32())), name
-            fp32, blocks = (1e3 * median_seconds(fn, args.repeats) for fn in (from_float32, from_blocks))
-            row[name] = {"gemms": len(calls), "float32_ms": round(fp32, 2), "blocks_ms": round(blocks, 2),
-                         "ratio": round(fp32 / blocks, 2)}
+            timed = {"float32": from_float32, "blocks": reading(dot_calls)}
+            if any(p.format == "q4_1_panels" for _, _, p in calls):
+                timed["panels"] = reading(calls)
+            reference = from_float32()
+            assert all(torch.equal(a, b) for a, b in zip(timed["blocks"](), reference)), name
+            if "panels" in timed:
+                assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(timed["panels"](), reference))
+            times = interleaved_medians(timed, args.repeats)
+            row[name] = {"gemms": len(calls), **{f"{k}_ms": round(1e3 * v, 2) for k, v in times.items()},
+                         "ratio": round(times["float32"] / times["blocks"], 2)}
+            if "panels" in times:
+                row[name]["panels_vs_blocks"] = round(times["blocks"] / times["panels"], 2)
         results.append(row)
         print(row, flush=True)
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_model_name(),
            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "threads": torch.get_num_threads(), "isa": kernel.vector_isa(), "bit_equal": True, "results": results}
+           "threads": torch.get_num_threads(), "isa": kernel.vector_isa(), "blocks_bit_equal_to_float32": True, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
+
+
+def interleaved_medians(timed: dict, repeats: int) -> dict[str, float]:
+    """Each function once per round, in turn, for `repeats` rounds (after one warm round): the median
+    seconds of each, so that a slow minute of a shared machine falls on all of them alike."""
+    for fn in timed.values():
+        fn()
+    times = {name: [] for name in timed}
+    for _ in range(repeats):
+        for name, fn in timed.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 if __name__ == "__main__":

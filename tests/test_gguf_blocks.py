@@ -2,7 +2,8 @@
 
 References: gguf-py's own `quantize` / `dequantize` for the block layout and its rounding,
 transformers' GGUF loader for the q/k row order, and the float32 kernel over the de-quantised
-weight, which reading the blocks must match bit for bit.
+weight, which reading the blocks must match bit for bit (Q4_1 panels, another summation order: float64,
+and a row's bits alone and in any batch).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from conftest import make_tiny
 from engine.core import linear as engine_linear
 from engine.core.kernels import load as load_kernels
 from engine.models.gguf_blocks import (BLOCK_BYTES, PackedWeight, attach_gguf_blocks, dequantise,
-                                       unpermute_rope_rows)
+                                       q4_1_from_panels, q4_1_panels, unpermute_rope_rows)
 
 QTYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
@@ -77,6 +78,60 @@ def test_side_by_side_mixes_float32_and_block_weights(kernel):
     assert torch.equal(got, torch.cat([kernel.small_linear(x, w, None) for w in weights], dim=1))
 
 
+@pytest.fixture(scope="module")
+def panel_kernel(kernel):
+    if engine_linear.FORMATS["q4_1_panels"] not in kernel.small_linear_formats():
+        pytest.skip("the kernel reads Q4_1 panels only where it is built with AVX-512")
+    return kernel
+
+
+def test_panels_hold_the_blocks_bytes_where_the_kernel_reads_them():
+    """Byte by byte against the layout's definition, and back."""
+    blocks = quantised("q4_1", 32, 64, seed=9)
+    panels = q4_1_panels(blocks)
+    assert panels.shape == (2, 2, 320)
+    for n in range(32):
+        g, i = divmod(n, 16)
+        for b in range(2):
+            block, panel = blocks[n, b], panels[g, b]
+            assert torch.equal(panel[2 * i: 2 * i + 2], block[0:2]) and torch.equal(panel[32 + 2 * i: 34 + 2 * i], block[2:4])
+            assert torch.equal(panel[64 + i::16], block[4:20])  # byte j of the nibbles at row j, column i
+    assert torch.equal(q4_1_from_panels(panels), blocks)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 13, 16, 17, 26, 40])
+@pytest.mark.parametrize("K,N", [(64, 48), (576, 192), (1536, 16)])
+def test_panels_give_the_product_and_a_rows_bits_do_not_depend_on_its_batch(panel_kernel, M, K, N):
+    """Against float64 (each output's error within float32 rounding of its terms' magnitudes); each
+    row alone, and the rows in reverse order, give the very same bits as in the whole batch."""
+    blocks = quantised("q4_1", N, K, seed=M + K)
+    weight, panels = dequantise(blocks, "q4_1"), q4_1_panels(blocks)
+    g = torch.Generator().manual_seed(M)
+    x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+    fmt = engine_linear.FORMATS["q4_1_panels"]
+    for b in (None, bias):
+        got = panel_kernel.small_linear_cat(x, [weight], [b], [panels], [fmt])
+        want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
+        bound = 4 * K * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T) + 1e-6
+        assert ((got.double() - want).abs() <= bound).all()
+        alone = torch.cat([panel_kernel.small_linear_cat(x[r:r + 1], [weight], [b], [panels], [fmt]) for r in range(M)])
+        assert torch.equal(got, alone)
+        reverse = panel_kernel.small_linear_cat(x.flip(0).contiguous(), [weight], [b], [panels], [fmt])
+        assert torch.equal(got, reverse.flip(0))
+
+
+def test_panels_side_by_side_with_other_formats_keep_each_parts_bits(panel_kernel):
+    """A q|k|v-like call mixing panels, dot-product blocks and float32 gives each part's own call's bits."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(13, 128, generator=g)
+    q4a, q4b, q8 = quantised("q4_1", 32, 128, seed=10), quantised("q4_1", 20, 128, seed=11), quantised("q8_0", 16, 128, seed=12)
+    plain = torch.randn(24, 128, generator=g)
+    weights = [dequantise(q4a, "q4_1"), plain, dequantise(q4b, "q4_1"), dequantise(q8, "q8_0")]
+    packed = [PackedWeight("q4_1_panels", q4_1_panels(q4a)), None, PackedWeight("q4_1", q4b), PackedWeight("q8_0", q8)]
+    got = engine_linear.linear_cat(x, weights, [None] * 4, packed)
+    assert torch.equal(got, torch.cat([engine_linear.linear(x, w, None, p) for w, p in zip(weights, packed)], dim=1))
+
+
 def test_linear_reads_the_blocks_and_the_switch_turns_that_off(kernel, monkeypatch):
     """Blocks next to a float32 weight of zeros: the output is the blocks' (they were read), and with
     MAGICDEC_GGUF_BLOCKS=0 it is the zeros' (the float32 copy was read)."""
@@ -100,10 +155,14 @@ def test_the_default_models_linears_get_blocks_that_are_their_weights(real_model
     layers = [m for layer in model.model.layers for m in (
         layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
         layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-    assert all(m.packed is not None and m.packed.format == "q4_1" for m in layers)
+    panels = "q4_1_panels" in engine_linear._blocks_read()  # where the kernel has AVX-512
+    assert all(m.packed is not None and m.packed.format == ("q4_1_panels" if panels else "q4_1") for m in layers)
     assert model.lm_head.packed is not None and model.lm_head.packed.format == "q8_0"
     for module in [*layers, model.lm_head]:
-        assert torch.equal(dequantise(module.packed.blocks, module.packed.format), module.weight)
+        blocks, fmt = module.packed.blocks, module.packed.format
+        if fmt == "q4_1_panels":
+            blocks, fmt = q4_1_from_panels(blocks), "q4_1"
+        assert torch.equal(dequantise(blocks, fmt), module.weight)
 
 
 def test_blocks_that_are_not_the_weights_are_not_attached(tmp_path):

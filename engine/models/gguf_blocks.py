@@ -9,6 +9,7 @@ It keeps only the layers whose blocks de-quantise, in float32 as gguf-py does (Q
 + m; Q8_0: d * q), to exactly the loaded weight. It saves them once beside the converted copy
 (`gguf_blocks.safetensors`) and attaches them to their modules as `module.packed`.
 
+`q4_1_panels` regroups Q4_1 blocks by 16 outputs, the layout the AVX-512 kernel reads them in.
 Not here: the conversion, the kernel, and other block formats (those layers stay float32).
 """
 
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """The GGUF blocks a float32 weight [N, K] was de-quantised from: blocks uint8 [N, K / 32, bytes]."""
+    """The GGUF blocks a float32 weight [N, K] was de-quantised from: blocks uint8 [N, K / 32, bytes],
+    or for "q4_1_panels" the same Q4_1 blocks as panels [N / 16, K / 32, 320] (`q4_1_panels`)."""
 
     format: str  # a key of BLOCK_BYTES
     blocks: torch.Tensor
@@ -56,6 +58,32 @@ def dequantise(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     else:
         weights = d * blocks[..., 2:].contiguous().view(torch.int8).float()
     return weights.reshape(blocks.shape[0], -1)
+
+
+PANEL_OUTPUTS = 16  # outputs per Q4_1 panel
+
+
+def q4_1_panels(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks uint8 [N, K / 32, 20] (N a multiple of 16) -> the same bytes as panels uint8
+    [N / 16, K / 32, 320], the AVX-512 kernel's layout (engine/core/csrc/cpu_linear.cpp): per 16
+    outputs and block, their 16 fp16 d, their 16 fp16 m, then for j = 0..15 sixteen bytes, byte i being
+    output i's nibble byte j (weight j low, weight j + 16 high)."""
+    rows, per_row, _ = blocks.shape
+    g = blocks.view(rows // PANEL_OUTPUTS, PANEL_OUTPUTS, per_row, BLOCK_BYTES["q4_1"])  # [G, 16, KB, 20]
+    d = g[..., 0:2].permute(0, 2, 1, 3)  # [G, KB, 16, 2]
+    m = g[..., 2:4].permute(0, 2, 1, 3)
+    nibbles = g[..., 4:].permute(0, 2, 3, 1)  # [G, KB, 16 (byte j), 16 (output i)]
+    return torch.cat([d.flatten(2), m.flatten(2), nibbles.flatten(2)], dim=-1).contiguous()  # [G, KB, 320]
+
+
+def q4_1_from_panels(panels: torch.Tensor) -> torch.Tensor:
+    """`q4_1_panels`'s inverse: panels uint8 [N / 16, K / 32, 320] -> blocks uint8 [N, K / 32, 20]."""
+    groups, per_row, _ = panels.shape
+    d = panels[..., 0:32].view(groups, per_row, PANEL_OUTPUTS, 2)  # [G, KB, 16, 2]
+    m = panels[..., 32:64].view(groups, per_row, PANEL_OUTPUTS, 2)
+    nibbles = panels[..., 64:].reshape(groups, per_row, 16, PANEL_OUTPUTS).transpose(2, 3)  # [G, KB, 16 (i), 16 (j)]
+    blocks = torch.cat([d, m, nibbles], dim=-1)  # [G, KB, 16, 20]
+    return blocks.permute(0, 2, 1, 3).reshape(groups * PANEL_OUTPUTS, per_row, BLOCK_BYTES["q4_1"]).contiguous()
 
 
 def unpermute_rope_rows(blocks: torch.Tensor, head_dim: int) -> torch.Tensor:
