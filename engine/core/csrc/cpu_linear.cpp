@@ -27,8 +27,8 @@
 // per k, 16 outputs' weights are de-quantised once into a register (d * q, then + m, as above) and
 // multiplied by a broadcast x[r][k] of each of up to 13 rows, into one accumulator per row. No
 // horizontal sums and no scratch: at 13 rows the 210 layer GEMMs of the default model ran 1.48x
-// (Xeon) and 1.49x (Zen 4) faster than the dot-product tiles (BENCHMARKS.md section 21). Each output is one FMA chain over k in
-// a fixed order (per block j, j + 16 for j = 0..15 into the block's sum, then the blocks' sums in
+// (Xeon) and 1.49x (Zen 4) faster than the dot-product tiles (BENCHMARKS.md section 21). Each output
+// is one FMA chain over k in a fixed order (per block j, j + 16 for j = 0..15 into the block's sum, then the blocks' sums in
 // turn), whatever M and the row tiling, so a row's result still does not depend on its batch; its
 // bits differ from the float32 kernel's (another summation order).
 // Not here: any other dtype (bfloat16/int8 draft GEMMs live in engine/spec/draft/gemms.py), many-row
