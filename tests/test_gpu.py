@@ -61,7 +61,13 @@ def test_bf16_engine_logits_follow_transformers_on_cuda():
     runner = ModelRunner(loaded, slots=2, capacity=256)
     ids = torch.randint(3, 512, (1, 100), device="cuda")
     got = runner.forward(ids, ForwardBatch(runner.cache, [1], [0], 100))
+    exact = copy.deepcopy(reference).float()  # the same weights in float32: the yardstick for both
     with torch.no_grad():
         want = reference(ids).logits.float()
+        truth = exact(ids).logits.float()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
-    torch.testing.assert_close(got, want, atol=0.15, rtol=0.05)
+    # bf16 rounds differently along each path (on the H200, 0.7% of logits of this model differed from
+    # transformers' by up to 0.7), so both are held to float32: ours may stray at most about as far.
+    ours, theirs = (got.float() - truth).abs(), (want - truth).abs()
+    assert ours.max() <= 1.5 * theirs.max() + 0.05
+    assert ours.mean() <= 1.5 * theirs.mean() + 0.005

@@ -27,10 +27,11 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("\nRandom weights: acceptance rates below are not meaningful, only the timings are.")
     plain = [r for r in rows if r["method"] == "none"]
     prefill = result.get("prefill") or {}
-    if prefill.get("tokens"):  # what a job pays first: the first configuration's prompts, computed cold
+    if prefill.get("tokens"):  # what a job pays first: every prompt, computed cold by the warm-up config
         first = rows[0]
+        shape = f"{prefill['rows']} x {prefill['context']}" if "rows" in prefill else f"{first['batch']} x {first['context']}"
         lines += ["", "| phase | rows x context | tokens | seconds | tokens/s |", "|---|---|---|---|---|",
-                  f"| prefill (cold, computed once) | {first['batch']} x {first['context']} | {prefill['tokens']} | "
+                  f"| prefill (cold, computed once) | {shape} | {prefill['tokens']} | "
                   f"{prefill['seconds']:.1f} | {prefill['tokens_per_s']:.1f} |",
                   f"| decode (plain, {first['new_tokens']} new tokens per row) | {first['batch']} x {first['context']} | "
                   f"{first['decode_tokens']} | {first['decode_s']:.1f} | {first['decode_tokens_per_s']:.1f} |"]

@@ -16,7 +16,8 @@ Backends (all held against `reference_attention` in the tests):
 - `attend_cached_torch`: any device; per row, the query heads of a GQA group are folded into the
   query axis so one matmul reads that group's K/V straight from the cache (no copy, no repeat).
 - `attend_cached_flash`: CUDA with flash-attn installed, `flash_attn_with_kvcache` with per-row
-  `cache_seqlens` and `cache_batch_idx`.
+  `cache_seqlens` and `cache_batch_idx`; without it, `engine.core.sdpa_attention` (torch's fused SDPA,
+  every row in one call).
 - `attend_view`: the draft's compressed view: gathers the selected positions (budget-sized, small)
   and attends to them with an explicit mask.
 - a `PrefillBatch` (prompt chunks of several rows packed along the token axis) goes to
@@ -36,7 +37,7 @@ from typing import Protocol
 import torch
 
 from engine.core import kernels as cpu_kernels
-from engine.core import shared_prefix
+from engine.core import sdpa_attention, shared_prefix
 from engine.core.kv_cache import KVCache
 from engine.core.prefill_attention import PrefillBatch, attend_prefill
 
@@ -141,8 +142,11 @@ def attend_full(query: torch.Tensor, layer: int, batch: ForwardBatch, scale: flo
     cache = batch.cache
     k_layer, v_layer = cache.k[layer], cache.v[layer]
     mass = batch.mass[layer] if batch.mass is not None else None  # [B, kv_heads, N]
-    if mass is None and flash_attn_with_kvcache is not None and query.is_cuda:
-        return attend_cached_flash(query, k_layer, v_layer, batch, scale)
+    if mass is None and query.is_cuda:
+        if flash_attn_with_kvcache is not None:
+            return attend_cached_flash(query, k_layer, v_layer, batch, scale)
+        return sdpa_attention.attend_rows(query, k_layer, v_layer, batch.slots, batch.slot_tensor,
+                                          batch.start_tensor, scale)
     if _fused_ok(query, cache) and (kernel := cpu_kernels.load()) is not None:
         if mass is None and kernel.shares_prefix_reads(cache.head_dim) and (groups := batch.prefix_groups()):
             return attend_cached_fused(kernel, query, k_layer, v_layer, batch, scale, groups=groups)
@@ -154,8 +158,8 @@ def attention_paths(device: torch.device, cache_dtype: torch.dtype) -> dict[str,
     """Which backend serves decode/verify, draft views and prefill chunks here (for the job report), so
     that nothing falls back to a slow path unseen."""
     if device.type == "cuda":
-        decode = "flash-attn" if flash_attn_with_kvcache is not None else "torch (no flash-attn installed)"
-        return {"decode": decode, "draft_view": "torch gather", "prefill": "torch per segment"}
+        decode = "flash-attn" if flash_attn_with_kvcache is not None else "torch SDPA (no flash-attn installed)"
+        return {"decode": decode, "draft_view": "torch gather", "prefill": "torch SDPA per segment"}
     kernel = cpu_kernels.load() if cache_dtype in KERNEL_CACHE_DTYPES else None
     if kernel is None:
         why = "no compiled CPU kernel" if cache_dtype in KERNEL_CACHE_DTYPES else f"{cache_dtype} cache"

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from engine.core import sdpa_attention
 from engine.core.kv_cache import KVCache
 
 
@@ -96,6 +97,10 @@ def attend_segments_torch(query: torch.Tensor, k_layer: torch.Tensor, v_layer: t
     out = query.new_empty(1, N, H, D)
     for segment, offset in zip(batch.segments, batch.offsets):
         T, end = segment.length, segment.start + segment.length
+        if query.is_cuda:  # torch's fused SDPA: one pass over K/V, no [group * T, end] scores in memory
+            out[0, offset:offset + T] = sdpa_attention.attend_segment(query[0, :, offset:offset + T], k_layer,
+                                                                      v_layer, segment.slot, segment.start, scale)
+            continue
         q = (query[0, :, offset:offset + T] * scale).reshape(kv_heads, group * T, D)  # [kv_heads, group * T, D]
         k = k_layer[segment.slot, :, :end]  # [kv_heads, end, D], a view of the cache
         v = v_layer[segment.slot, :, :end]
