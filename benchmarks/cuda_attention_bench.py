@@ -54,7 +54,8 @@ def main() -> None:
             kv_bytes = 2 * batch_size * KV_HEADS * (context + args.new) * HEAD_DIM * 2  # K and V read once
             row = {"batch": batch_size, "context": context, "new_tokens": args.new, "kv_bytes": kv_bytes}
             row["sdpa_ms"] = 1e3 * timed(lambda: sdpa_attention.attend_rows(
-                query, cache.k[0], cache.v[0], batch.slots, batch.slot_tensor, batch.start_tensor, scale),
+                query, cache.k[0], cache.v[0], batch.slots, batch.slot_tensor, batch.start_tensor,
+                max(batch.ends), scale),
                 args.repeats)
             row["per_row_torch_ms"] = 1e3 * timed(lambda: attend_cached_torch(
                 query, cache.k[0], cache.v[0], batch, scale), args.repeats)

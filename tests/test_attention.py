@@ -57,7 +57,7 @@ def test_sdpa_backend_matches_reference(slots, T):
     batch = ForwardBatch(cache, slots=slots, starts=[50, 0, 17], num_new=T)
     query = torch.randn(3, HEADS, T, D)
     out = sdpa_attention.attend_rows(query, cache.k[0], cache.v[0], batch.slots, batch.slot_tensor,
-                                     batch.start_tensor, D ** -0.5)
+                                     batch.start_tensor, max(batch.ends), D ** -0.5)
     torch.testing.assert_close(out, expected(query, cache, batch, causal(batch)), atol=1e-5, rtol=1e-5)
 
 

@@ -29,7 +29,8 @@ def markdown(result: dict[str, Any]) -> str:
     prefill = result.get("prefill") or {}
     if prefill.get("tokens"):  # what a job pays first: every prompt, computed cold by the warm-up config
         first = rows[0]
-        shape = f"{prefill['rows']} x {prefill['context']}" if "rows" in prefill else f"{first['batch']} x {first['context']}"
+        shape = (f"{prefill['rows']} x {prefill['context']}" if "rows" in prefill  # older results lack them
+                 else f"{first['batch']} x {first['context']}")
         lines += ["", "| phase | rows x context | tokens | seconds | tokens/s |", "|---|---|---|---|---|",
                   f"| prefill (cold, computed once) | {shape} | {prefill['tokens']} | "
                   f"{prefill['seconds']:.1f} | {prefill['tokens_per_s']:.1f} |",

@@ -258,8 +258,8 @@ class Bench:
                     log(_line(row))
         return {"spec": dataclasses.asdict(spec), "hardware": dict(hardware),
                 "at_paper_acceptance": at_acceptance(self.rows, PAPER_ALPHA),
-                "prefill": {"rows": first["batch"], "context": first["context"], "tokens": first["prefill_tokens"], "seconds": first["prefill_s"],
-                            "tokens_per_s": first["prefill_tokens_per_s"]},
+                "prefill": {"rows": first["batch"], "context": first["context"], "tokens": first["prefill_tokens"],
+                            "seconds": first["prefill_s"], "tokens_per_s": first["prefill_tokens_per_s"]},
                 "device": str(self.device), "threads": torch.get_num_threads(),
                 "acceptance_meaningful": not self.shape_model, "rows": self.rows,
                 "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__}

@@ -146,7 +146,7 @@ def attend_full(query: torch.Tensor, layer: int, batch: ForwardBatch, scale: flo
         if flash_attn_with_kvcache is not None:
             return attend_cached_flash(query, k_layer, v_layer, batch, scale)
         return sdpa_attention.attend_rows(query, k_layer, v_layer, batch.slots, batch.slot_tensor,
-                                          batch.start_tensor, scale)
+                                          batch.start_tensor, max(batch.ends), scale)
     if _fused_ok(query, cache) and (kernel := cpu_kernels.load()) is not None:
         if mass is None and kernel.shares_prefix_reads(cache.head_dim) and (groups := batch.prefix_groups()):
             return attend_cached_fused(kernel, query, k_layer, v_layer, batch, scale, groups=groups)

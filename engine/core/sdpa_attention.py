@@ -18,17 +18,17 @@ import torch.nn.functional as F
 
 
 def attend_rows(query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, slots: list[int],
-                slot_tensor: torch.Tensor, starts: torch.Tensor, scale: float) -> torch.Tensor:
+                slot_tensor: torch.Tensor, starts: torch.Tensor, longest: int, scale: float) -> torch.Tensor:
     """Each row's T new tokens over its cached prefix, all rows in one SDPA call.
 
     query: [B, heads, T, D]; k_layer, v_layer: [slots, kv_heads, capacity, D]; slots / slot_tensor: the
     rows' cache slots ([B]); starts: [B] long, the position of each row's first new token (its K/V are
-    already cached). Returns [B, T, heads, D].
+    already cached); longest: the largest start + T (given, not read from `starts`, which would wait for
+    the device in every layer). Returns [B, T, heads, D].
     """
     B, H, T, D = query.shape
     kv_heads = k_layer.shape[1]
     group = H // kv_heads
-    longest = int(starts.max()) + T
     first = slots[0]
     if slots == list(range(first, first + B)):  # consecutive slots: a view of the cache, no copy
         k, v = k_layer[first:first + B, :, :longest], v_layer[first:first + B, :, :longest]
