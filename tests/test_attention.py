@@ -10,6 +10,7 @@ import torch
 from engine.core import attention, kernels as cpu_kernels, sdpa_attention
 from engine.core.attention import ForwardBatch, attend_cached_torch, attend_view, reference_attention
 from engine.core.kv_cache import KVCache
+from engine.core.prefill_attention import PrefillBatch, Segment, attend_segments_sdpa
 
 HEADS, KV_HEADS, D = 6, 2, 32  # GQA group of 3
 
@@ -68,6 +69,21 @@ def test_sdpa_prefill_segment_matches_reference(start, T):
     query = torch.randn(1, HEADS, T, D)
     out = sdpa_attention.attend_segment(query[0], cache.k[0], cache.v[0], 2, start, D ** -0.5)
     torch.testing.assert_close(out[None], expected(query, cache, batch, causal(batch)), atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_prefill_of_packed_segments_matches_reference():
+    """CUDA's prefill loop (SDPA per segment), run here on a CPU: segments of several rows packed."""
+    cache = make_cache()
+    segments = [Segment(3, 50, 7), Segment(0, 0, 12), Segment(4, 17, 1)]
+    query = torch.randn(1, HEADS, 20, D)
+    out = attend_segments_sdpa(query, cache.k[0], cache.v[0], PrefillBatch(cache, segments), D ** -0.5)
+    offset = 0
+    for segment in segments:
+        alone = ForwardBatch(cache, slots=[segment.slot], starts=[segment.start], num_new=segment.length)
+        part = query[:, :, offset:offset + segment.length]
+        torch.testing.assert_close(out[:, offset:offset + segment.length], expected(part, cache, alone, causal(alone)),
+                                   atol=1e-5, rtol=1e-5)
+        offset += segment.length
 
 
 def test_the_cpu_kernel_is_built_wherever_a_compiler_exists():

@@ -7,9 +7,10 @@ linear layers run at M = N whatever the rows. Each segment's tokens attend to th
 positions before `start` plus the segment itself, causally; every K/V row is read once per GQA group.
 
 Backends (held against the masked reference in the tests): the fused CPU kernel's `prefill_attention`
-(a tiled online softmax that never builds the [heads, tokens, context] score matrix), and a torch path
-per segment (the query heads of a group folded into the query axis, one matmul against the slot's K
-read in place) for other devices or without the kernel. This module does not decide what to prefill.
+(a tiled online softmax that never builds the [heads, tokens, context] score matrix), torch's SDPA per
+segment on CUDA (`engine.core.sdpa_attention`), and a torch path per segment (the query heads of a
+group folded into the query axis, one matmul against the slot's K read in place) for other devices or
+without the kernel. This module does not decide what to prefill.
 """
 
 from __future__ import annotations
@@ -84,7 +85,19 @@ def attend_prefill(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: 
         out = kernel.prefill_attention(q, k_layer, v_layer, batch.seg_slot, batch.seg_start, batch.seg_offset,
                                        batch.seg_len, scale)  # [N, heads, D] float32
         return out[None].to(query.dtype)
+    if query.is_cuda:  # torch's fused SDPA: one pass over K/V, no [group * T, end] scores in memory
+        return attend_segments_sdpa(query, k_layer, v_layer, batch, scale)
     return attend_segments_torch(query, k_layer, v_layer, batch, scale)
+
+
+def attend_segments_sdpa(query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                         batch: PrefillBatch, scale: float) -> torch.Tensor:
+    """CUDA without the CPU kernel: one SDPA call per segment. query: [1, heads, N, D]; returns [1, N, heads, D]."""
+    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+    for segment, offset in zip(batch.segments, batch.offsets):
+        out[0, offset:offset + segment.length] = sdpa_attention.attend_segment(
+            query[0, :, offset:offset + segment.length], k_layer, v_layer, segment.slot, segment.start, scale)
+    return out
 
 
 def attend_segments_torch(query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
@@ -97,10 +110,6 @@ def attend_segments_torch(query: torch.Tensor, k_layer: torch.Tensor, v_layer: t
     out = query.new_empty(1, N, H, D)
     for segment, offset in zip(batch.segments, batch.offsets):
         T, end = segment.length, segment.start + segment.length
-        if query.is_cuda:  # torch's fused SDPA: one pass over K/V, no [group * T, end] scores in memory
-            out[0, offset:offset + T] = sdpa_attention.attend_segment(query[0, :, offset:offset + T], k_layer,
-                                                                      v_layer, segment.slot, segment.start, scale)
-            continue
         q = (query[0, :, offset:offset + T] * scale).reshape(kv_heads, group * T, D)  # [kv_heads, group * T, D]
         k = k_layer[segment.slot, :, :end]  # [kv_heads, end, D], a view of the cache
         v = v_layer[segment.slot, :, :end]

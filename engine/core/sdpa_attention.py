@@ -26,41 +26,38 @@ def attend_rows(query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
     already cached); longest: the largest start + T (given, not read from `starts`, which would wait for
     the device in every layer). Returns [B, T, heads, D].
     """
-    B, H, T, D = query.shape
-    kv_heads = k_layer.shape[1]
-    group = H // kv_heads
+    B, _, T, _ = query.shape
     first = slots[0]
     if slots == list(range(first, first + B)):  # consecutive slots: a view of the cache, no copy
         k, v = k_layer[first:first + B, :, :longest], v_layer[first:first + B, :, :longest]
     else:  # [B, kv_heads, longest, D], only the positions some row reads
         k, v = k_layer[slot_tensor, :, :longest], v_layer[slot_tensor, :, :longest]
     token_pos = starts[:, None] + torch.arange(T, device=query.device)  # [B, T]
-    mask = _visible(token_pos, longest, group)  # [B, 1, group * T, longest]
-    q = query.reshape(B, kv_heads, group * T, D)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, kv_heads, group * T, D]
-    return out.reshape(B, H, T, D).transpose(1, 2)
+    return _attend(query, k, v, token_pos, scale)
 
 
 def attend_segment(query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, slot: int, start: int,
                    scale: float) -> torch.Tensor:
     """One prefill segment: its T tokens (positions start .. start + T - 1, K/V cached) over the slot's
     prefix. query: [heads, T, D]. Returns [T, heads, D]."""
-    H, T, D = query.shape
-    kv_heads = k_layer.shape[1]
-    group = H // kv_heads
-    end = start + T
+    end = start + query.shape[1]
     token_pos = torch.arange(start, end, device=query.device)[None]  # [1, T]
-    mask = _visible(token_pos, end, group)  # [1, 1, group * T, end]
-    q = query.reshape(1, kv_heads, group * T, D)
     k, v = k_layer[slot:slot + 1, :, :end], v_layer[slot:slot + 1, :, :end]  # [1, kv_heads, end, D]
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
-    return out.reshape(H, T, D).transpose(0, 1)
+    return _attend(query[None], k, v, token_pos, scale)[0]
 
 
-def _visible(token_pos: torch.Tensor, length: int, group: int) -> torch.Tensor:
-    """token_pos: [B, T] each new token's position. Returns [B, 1, group * T, length] bool: True where
-    that folded query (token fastest) may read the cache position (at or before its own)."""
-    B, T = token_pos.shape
-    keys = torch.arange(length, device=token_pos.device)  # [length]
-    mask = keys[None, None, :] <= token_pos[:, :, None]  # [B, T, length]
-    return mask[:, None].expand(B, group, T, length).reshape(B, 1, group * T, length)
+def _attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_pos: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """query: [B, heads, T, D]; k, v: [B, kv_heads, L, D] (position p at index p); token_pos: [B, T] each
+    new token's position. Folds each GQA group's heads into the query axis (token fastest), masks every
+    folded query to the positions at or before its own, and unfolds: returns [B, T, heads, D]."""
+    B, H, T, D = query.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    group = H // kv_heads
+    keys = torch.arange(length, device=query.device)  # [L]
+    visible = keys[None, None, :] <= token_pos[:, :, None]  # [B, T, L]
+    mask = visible[:, None].expand(B, group, T, length).reshape(B, 1, group * T, length)
+    q = query.reshape(B, kv_heads, group * T, D)
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                         scale=scale)  # [B, kv_heads, group * T, D]
+    return out.reshape(B, H, T, D).transpose(1, 2)
