@@ -30,6 +30,7 @@ from engine.bench.render import PAPER_ALPHA
 from engine.config.loading import recipe_from_dict
 from engine.config.schema import DEFAULT_MODEL, DRAFT_METHODS, Recipe
 from engine.core.attention import ATTN_NAME  # importing it registers the engine's attention with transformers
+from engine.core.host_memory import keep_freed_pages
 from engine.core.prefix_store import PrefixStore
 from engine.core.scheduler import RoundRecord, Scheduler
 from engine.core.sequence import Request
@@ -109,6 +110,8 @@ class Bench:
         self.loaded = load_model(spec.model, attn_implementation=ATTN_NAME, dtype=spec.dtype, device=spec.device,
                                  layers=spec.layers)
         self.device = self.loaded.device
+        if self.device.type == "cpu":
+            keep_freed_pages()  # as `magicdec run` does (engine.job.run.load_engine)
         self.max_batch, self.max_context = max(spec.batches), max(spec.contexts)
         # [max_batch] prompts of max_context tokens; tails: a shorter context keeps their ends
         self.prompts, self.tails = bench_prompts(self.loaded.tokenizer, self.max_batch, self.max_context,

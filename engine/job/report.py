@@ -39,6 +39,7 @@ class JobReport:
     attention: dict[str, str] = dataclasses.field(default_factory=dict)  # engine.core.attention.attention_paths
     linear: str = "-"  # who computes the target's few-row GEMMs (engine.core.linear.linear_path)
     decode_forward: str = "-"  # who runs the target's decode/verify layers (ModelRunner.decode_path)
+    host_malloc: str = "-"  # what the C library does with freed host memory (engine.core.host_memory)
     started: float = dataclasses.field(default_factory=time.time)  # time.time() once the model has loaded
     load_s: float = 0.0
     load_started: float | None = None  # time.time() when loading began (None: started - load_s)
@@ -102,7 +103,7 @@ class JobReport:
                        "kv_cache_touched_bytes": self.kv_touched_bytes, "check_bytes": self.memory_check_bytes},
             "hardware": {**hardware_summary(self.device, self.tp, self.dp), "dtype": self.dtype,
                          "attention": self.attention, "linear": self.linear,
-                         "decode_forward": self.decode_forward},
+                         "decode_forward": self.decode_forward, "host_malloc": self.host_malloc},
             "prefix_reuse": self.prefix_reuse,
             "timeline": self.timeline,
             **self.extra,
