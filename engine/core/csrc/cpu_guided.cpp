@@ -2,7 +2,7 @@
 //
 // Row b keeps [0, min(sink, kept_end[b])) and the `top` positions of [sink, kept_end[b]) with the
 // highest score (all of them when there are no more than `top`): a partial selection of the
-// top-th score (std::nth_element on a copy of the scores), then one scan taking every score above
+// top-th score (std::nth_element on a copy of the scores), then one branch-free scan taking every score above
 // it and the lowest positions among those equal to it, instead of a sort. The kept list of the row's slot
 // is rewritten in place. With a compact store (the lean draft's bf16 copy of the view), a position
 // that was kept before keeps its entry; each newly kept position takes a freed entry (lowest first)
@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <vector>
 
 // scores: [layers, B, kv_heads, N] float32 contiguous; slots, kept_end, old_count: [B] int64;
@@ -72,9 +73,10 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
   }
   std::atomic<int64_t> changed{0};
   at::parallel_for(0, layers * B * KVH, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<int64_t> chosen(sink + top);
-    std::vector<float> values;
+    std::vector<int64_t> chosen(sink + top + 1);
+    std::vector<float> values(std::max<int64_t>(N - sink, 0));
     std::vector<uint8_t> mark(with_store ? N : 0, 0), stays;
+    std::vector<std::pair<int64_t, int64_t>> moves;  // (store entry, position) to copy
     int64_t local = 0;
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t l = task / (B * KVH), b = (task / KVH) % B, h = task % KVH;
@@ -92,20 +94,42 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
         // first, as many equal to it as there is room for.
         // Scores move little between rounds: with half the previous round's threshold as a pivot,
         // the selection runs over the few scores above it (exact whenever at least `top` are).
+        // The scans are branch-free (a store always, the count advanced by the comparison): about
+        // one score in seven passes, and a branch on it mispredicts often enough to double a task.
         const float pivot = hp[task] * 0.5f / static_cast<float>(hint_scale);
-        values.clear();
-        if (pivot > 0.0f)
-          for (int64_t p = sink; p < end; ++p)
-            if (s[p] >= pivot) values.push_back(s[p]);
-        if (static_cast<int64_t>(values.size()) < top) values.assign(s + sink, s + end);
-        std::nth_element(values.begin(), values.begin() + (top - 1), values.end(), std::greater<float>());
+        int64_t passed = 0;
+        if (pivot > 0.0f) {
+          for (int64_t p = sink; p < end; ++p) {
+            values[passed] = s[p];
+            passed += s[p] >= pivot;
+          }
+        }
+        if (passed < top) {
+          std::copy(s + sink, s + end, values.begin());
+          passed = end - sink;
+        }
+        std::nth_element(values.begin(), values.begin() + (top - 1), values.begin() + passed, std::greater<float>());
         const float threshold = values[top - 1];
         hp[task] = threshold * static_cast<float>(hint_scale);
-        int64_t above = 0;
-        for (int64_t p = sink; p < end; ++p) above += s[p] > threshold;
-        int64_t ties = top - above, n = sinks;
+        int64_t above = 0, equal = 0;
         for (int64_t p = sink; p < end; ++p) {
-          if (s[p] > threshold || (s[p] == threshold && ties-- > 0)) chosen[n++] = p;
+          above += s[p] > threshold;
+          equal += s[p] == threshold;
+        }
+        int64_t ties = top - above, n = sinks;
+        if (equal == ties) {  // the usual case: every score equal to the threshold fits
+          for (int64_t p = sink; p < end; ++p) {
+            chosen[n] = p;  // chosen has one spare entry past the last kept one
+            n += s[p] >= threshold;
+          }
+        } else {
+          for (int64_t p = sink; p < end; ++p) {
+            const bool tie = s[p] == threshold;
+            const bool take = (s[p] > threshold) | (tie & (ties > 0));
+            ties -= tie & take;
+            chosen[n] = p;
+            n += take;
+          }
         }
       }
       const int64_t plane = (l * n_slots + slot_p[b]) * KVH + h;  // (layer, slot, head)
@@ -125,6 +149,10 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
           mark[p] = 0;
         }
       }
+      // First pair each freed entry with its new position, then copy: the source rows are scattered
+      // over the slot's cache, so each is prefetched a few copies ahead (the copy is bound by
+      // their memory latency, not by its arithmetic).
+      moves.clear();
       int64_t next = 0;  // the next chosen position not held yet (marks left set)
       for (int64_t i = 0; i < count; ++i) {
         if (stays[i]) continue;
@@ -132,6 +160,18 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
         const int64_t p = chosen[next++];
         mark[p] = 0;
         kept_row[i] = p;
+        moves.emplace_back(i, p);
+      }
+      constexpr size_t kAhead = 12;
+      for (size_t j = 0; j < moves.size(); ++j) {
+        if (j + kAhead < moves.size()) {
+          const int64_t ahead = (plane * capacity + moves[j + kAhead].second) * D;
+          for (int64_t d = 0; d < D; d += 16) {  // 64-byte lines of float32
+            __builtin_prefetch(kc + ahead + d);
+            __builtin_prefetch(vc + ahead + d);
+          }
+        }
+        const auto [i, p] = moves[j];
         const float* k_src = kc + (plane * capacity + p) * D;
         const float* v_src = vc + (plane * capacity + p) * D;
         at::BFloat16* k_dst = ks + (plane * S + i) * D;
@@ -140,8 +180,8 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
           k_dst[d] = at::BFloat16(k_src[d]);  // round to nearest even, as torch's .to(bfloat16)
           v_dst[d] = at::BFloat16(v_src[d]);
         }
-        ++local;
       }
+      local += static_cast<int64_t>(moves.size());
     }
     changed += local;
   });
