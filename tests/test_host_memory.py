@@ -34,7 +34,8 @@ PROBE = textwrap.dedent("""
     print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """)
 
-glibc_only = pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"),
+glibc_only = pytest.mark.skipif(not sys.platform.startswith("linux") or "CS_GNU_LIBC_VERSION" not in os.confstr_names
+                                or not os.confstr("CS_GNU_LIBC_VERSION"),
                                 reason="mallopt thresholds are glibc's; this C library is not glibc")
 
 

@@ -39,6 +39,11 @@ def keep_freed_pages() -> str:
     return _state
 
 
+def current() -> str:
+    """What `keep_freed_pages` did in this process ("-": not called, e.g. a CUDA job)."""
+    return _state or "-"
+
+
 def _apply() -> str:
     if os.environ.get("MAGICDEC_MALLOC") == "system" or not sys.platform.startswith("linux"):
         return "system default"

@@ -20,7 +20,7 @@ import torch
 from engine.config.schema import Recipe
 from engine.core import kernels as cpu_kernels
 from engine.core.attention import ATTN_NAME, attention_paths  # importing it registers the engine's attention with transformers
-from engine.core.host_memory import keep_freed_pages
+from engine.core import host_memory
 from engine.core.linear import linear_path
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, Result
@@ -81,7 +81,7 @@ def load_engine(recipe: Recipe, parallel=None) -> Scheduler:
     if target.device.type == "cpu" and target.dtype in (torch.float32, torch.bfloat16):
         cpu_kernels.load()  # compiled once per machine: part of loading, not of the first prefill
     if target.device.type == "cpu":
-        keep_freed_pages()  # before the first prefill: its activations are reused, not faulted in again
+        host_memory.keep_freed_pages()  # before the first prefill: its activations are reused, not faulted in again
     if parallel is None:
         return build_engine(recipe, target, draft)
     target, draft = parallel.shard(target, draft)
@@ -134,7 +134,7 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     report.attention = attention_paths(target.device, engine.target.cache.k.dtype)
     report.linear = linear_path(target.device, target.dtype, target.model)
     report.decode_forward = engine.target.decode_path()
-    report.host_malloc = keep_freed_pages() if target.device.type == "cpu" else "-"
+    report.host_malloc = host_memory.current()
     report.rows_resumed = len(writer.done_ids)
     report.resumed_failed = writer.done_errors
     report.kv_cache_bytes = engine.target.cache.nbytes + decoder.cache_bytes
