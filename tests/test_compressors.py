@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import pooled, random_cache, window_attention_scores
+from conftest import pooled, random_cache, random_prompts, window_attention_scores
 
 from engine.config.schema import DraftConfig
 from engine.spec.compressors.pqcache import PQCache, kmeans, nearest
@@ -187,3 +187,60 @@ def test_pqcache_reads_everything_below_the_budget():
     method.prefill_done(0, 30, None)
     view = method.view([0], [31])
     assert view_sets(view, 0, torch.zeros(1, HEADS, 1, D), 1)[0] == [set(range(31))] * KV_HEADS
+
+
+# ----------------------------------------------------------------------------- SnapKV's mass from the prefill
+
+class RecordingSnapKV(SnapKV):
+    """SnapKV that keeps what the prefill handed it (the window's queries and attention mass)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.handed = {}
+
+    def prefill_done(self, slot, prompt_len, observed, mass=None):
+        self.handed[slot] = (observed.clone(), None if mass is None else mass.clone())
+        super().prefill_done(slot, prompt_len, observed, mass=mass)
+
+
+@pytest.mark.parametrize("backend", ["kernel", "torch"])
+@pytest.mark.parametrize("chunk", [7, 40, 1000])
+def test_prefill_hands_snapkv_the_window_mass_of_its_own_attention(tiny, backend, chunk, monkeypatch):
+    """The packed prefill attends each row's observation window with its attention mass (the kernel's
+    tail pass, or the torch path's softmax), windows cut across forwards at `chunk` tokens: the rows'
+    logits still match transformers, the mass handed over is the brute-force window score of every
+    layer, and SnapKV's kept positions are a top set of the brute-force rule."""
+    from engine.core import attention, kernels
+    from engine.core.prefill import RowPrefill, prefill_rows
+    from engine.core.runner import ModelRunner
+
+    if backend == "kernel" and kernels.load() is None:
+        pytest.skip("the fused CPU kernel is not built here (no compiler)")
+    if backend == "torch":
+        monkeypatch.setattr(attention, "cpu_kernel_for", lambda query, cache: None)
+    loaded, reference = tiny
+    runner = ModelRunner(loaded, slots=4, capacity=128)
+    budget, window, kernel_size = 24, 8, 3
+    method = RecordingSnapKV(DraftConfig(method="snapkv", budget=budget, window=window, kernel_size=kernel_size),
+                             runner.cache, runner.heads)
+    prompts = random_prompts(3, 20, 60, seed=5) + [random_prompts(1, 5, 5, seed=6)[0]]  # the last: < window
+    rows = [RowPrefill(slot, prompt) for slot, prompt in zip([2, 0, 3, 1], prompts)]
+    prefill_rows(runner, rows, chunk, method)
+    for row in rows:
+        n = len(row.prompt_ids)
+        with torch.no_grad():
+            want = reference(torch.tensor([row.prompt_ids])).logits[0, -1]
+        torch.testing.assert_close(row.logits, want, atol=1e-4, rtol=0)
+        observed, mass = method.handed[row.slot]
+        assert mass is not None and mass.shape == (runner.layers, runner.kv_heads, n)
+        seen = min(window, n)
+        count = int(method.kept_count[row.slot])
+        assert count == min(budget - window, max(n - seen, 0))
+        for layer in range(runner.layers):
+            keys = runner.cache.k[layer, row.slot, :, :n]
+            brute = window_attention_scores(observed[layer], keys, n, seen)  # [kv_heads][n]
+            torch.testing.assert_close(mass[layer].double(), torch.tensor(brute, dtype=torch.float64),
+                                       rtol=1e-5, atol=1e-5)
+            for h in range(runner.kv_heads if count else 0):
+                scores = pooled(brute[h][: n - seen], kernel_size)
+                assert is_top(set(method.kept[layer, row.slot, h, :count].tolist()), scores, count)

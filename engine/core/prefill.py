@@ -7,8 +7,9 @@ queries); the rest of every row is cut into segments and packed along the token 
 per forward (a row's prompt in consecutive segments, in order), so the linear layers run at a large M
 whatever the rows' lengths; then each row's full blocks are stored for later rows. A `SlotListener` (a
 draft's compressor) may ask for the queries of the prompt's last `observe_window` positions (SnapKV's
-observation window), which a `QueryWindow` captures as the forwards pass, and is told when a slot's
-prompt is cached. Rows whose prompts share a prefix should not be in one wave (the scheduler splits
+observation window), which a `QueryWindow` captures as the forwards pass, together with those
+queries' attention mass over the prompt where the attention backend returns it (the fused kernel and
+the torch path do; the listener then needs no second pass), and is told when a slot's prompt is cached. Rows whose prompts share a prefix should not be in one wave (the scheduler splits
 waves so), or they compute it twice. This module knows nothing of speculation or scheduling.
 """
 
@@ -29,8 +30,11 @@ class SlotListener(Protocol):
 
     observe_window: int  # trailing prompt queries it needs at prefill (0: none)
 
-    def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None) -> None:
-        """observed: [layers, heads, window, head_dim] (the last `window` prompt queries) or None."""
+    def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None,
+                     mass: torch.Tensor | None = None) -> None:
+        """observed: [layers, heads, window, head_dim] (the last `window` prompt queries) or None; mass:
+        [layers, kv_heads, prompt_len] float32, their softmax attention on each position summed over the
+        window and each GQA group's heads, when the prefill computed it (else None)."""
 
     def committed(self, slot: int, length: int) -> None: ...
 
@@ -38,12 +42,29 @@ class SlotListener(Protocol):
 
 
 class QueryWindow:
-    """Captures, during one row's prefill, the queries of its positions >= observe_from (all layers)."""
+    """Captures, during one row's prefill, the queries of its positions >= observe_from (all layers),
+    and the attention mass they put on the prompt where the backend hands it over (`add_mass`)."""
 
-    def __init__(self, layers: int, heads: int, window: int, head_dim: int, observe_from: int,
+    def __init__(self, layers: int, heads: int, kv_heads: int, window: int, head_dim: int, observe_from: int,
                  device: torch.device, dtype: torch.dtype):
         self.observe_from = observe_from
         self.queries = torch.zeros(layers, heads, window, head_dim, dtype=dtype, device=device)
+        self.mass_shape = (layers, kv_heads, observe_from + window)
+        self._mass: torch.Tensor | None = None  # [layers, kv_heads, prompt_len] float32, allocated on first use
+        self.mass_tokens = [0] * layers  # window tokens whose mass each layer has added
+
+    def add_mass(self, layer: int, mass: torch.Tensor, tokens: int) -> None:
+        """mass: [kv_heads, end] of `tokens` window tokens, the last at position end - 1."""
+        if self._mass is None:
+            self._mass = torch.zeros(self.mass_shape, dtype=torch.float32, device=mass.device)
+        self._mass[layer, :, :mass.shape[-1]] += mass
+        self.mass_tokens[layer] += tokens
+
+    @property
+    def mass(self) -> torch.Tensor | None:
+        """[layers, kv_heads, prompt_len]: the whole window's mass, if every layer saw all of it."""
+        window = self.queries.shape[2]
+        return self._mass if all(n == window for n in self.mass_tokens) else None
 
     def observe(self, layer: int, query: torch.Tensor, start: int) -> None:
         """query: [heads, T, head_dim] of positions start .. start + T - 1."""
@@ -75,8 +96,8 @@ def prefill_rows(runner: ModelRunner, rows: list[RowPrefill], chunk: int, listen
         n = len(row.prompt_ids)
         window = min(listener.observe_window, n) if listener is not None else 0
         if window:
-            row.window = QueryWindow(runner.layers, runner.heads, window, runner.head_dim, n - window,
-                                     runner.device, runner.loaded.dtype)
+            row.window = QueryWindow(runner.layers, runner.heads, cache.kv_heads, window, runner.head_dim,
+                                     n - window, runner.device, runner.loaded.dtype)
         cache.clear(row.slot)
         if store is not None:
             blocks = store.match(row.prompt_ids)
@@ -105,7 +126,10 @@ def prefill_rows(runner: ModelRunner, rows: list[RowPrefill], chunk: int, listen
                 row.origin.append(written[len(row.origin)])
             cache.set_origin(row.slot, tuple(row.origin), store.block)
         if listener is not None:
-            listener.prefill_done(row.slot, n, row.window.queries if row.window is not None else None)
+            if row.window is None:
+                listener.prefill_done(row.slot, n, None)
+            else:
+                listener.prefill_done(row.slot, n, row.window.queries, mass=row.window.mass)
 
 
 def _packs(rows: list[RowPrefill], chunk: int):

@@ -6,6 +6,14 @@ axis (transformers sees a batch of one sequence of N tokens, each with its own p
 linear layers run at M = N whatever the rows. Each segment's tokens attend to their slot's cached
 positions before `start` plus the segment itself, causally; every K/V row is read once per GQA group.
 
+A segment may carry a `WindowObserver` (a row whose draft wants SnapKV's observation window, the
+prompt's last tokens): it receives the queries of the segment's tokens in that window and, where the
+backend has them in hand, the attention mass those tokens' softmax puts on each cached position (per
+KV head, summed over the GQA group and the tokens), so the draft's prefill-time selection costs no
+second pass over the prompt. With the fused kernel, a segment's window tokens (its tail) are attended
+by `attend_cached_scores`, which returns that mass from the same pass, and its other tokens by
+`prefill_attention`; the torch path sums its own softmax; SDPA gives no mass (the draft computes it).
+
 Backends (held against the masked reference in the tests): the fused CPU kernel's `prefill_attention`
 (a tiled online softmax that never builds the [heads, tokens, context] score matrix), torch's SDPA per
 segment on CUDA (`engine.core.sdpa_attention`), and a torch path per segment (the query heads of a
@@ -27,8 +35,14 @@ from engine.core.kv_cache import KVCache
 class WindowObserver(Protocol):
     """Receives the queries of a segment (SnapKV's observation window is the prompt's last tokens)."""
 
+    observe_from: int  # the window's first position: only tokens at or after it are observed
+
     def observe(self, layer: int, query: torch.Tensor, start: int) -> None:
         """query: [heads, length, head_dim] of the segment's tokens, the first at position `start`."""
+
+    def add_mass(self, layer: int, mass: torch.Tensor, tokens: int) -> None:
+        """mass: [kv_heads, end] float32, the softmax attention `tokens` window tokens (the last of them
+        at position end - 1) put on each position, summed over those tokens and each group's heads."""
 
 
 @dataclasses.dataclass
@@ -69,6 +83,16 @@ class PrefillBatch:
         self.seg_offset = torch.tensor(offsets, dtype=torch.long, device=device)  # [S]
         self.seg_len = torch.tensor(lengths, dtype=torch.long, device=device)  # [S]
         self.last_indices = self.seg_offset + self.seg_len - 1  # [S]: each segment's last token
+        # Each segment's tail: its tokens in its observer's window (0 without an observer).
+        self.tails = [max(s.start + s.length - max(s.observer.observe_from, s.start), 0)
+                      if s.observer is not None else 0 for s in segments]
+        self.tail_groups: dict[int, list[int]] = {}  # tail length -> the segments with that tail
+        for index, tail in enumerate(self.tails):
+            if tail:
+                self.tail_groups.setdefault(tail, []).append(index)
+        if self.tail_groups:  # the kernel's prefill pass then takes every segment's head only
+            self.seg_head_len = torch.tensor([n - t for n, t in zip(lengths, self.tails)], dtype=torch.long,
+                                             device=device)  # [S]
 
 
 def attend_prefill(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
@@ -82,12 +106,37 @@ def attend_prefill(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: 
             segment.observer.observe(layer, query[0, :, offset:offset + segment.length], segment.start)
     if kernel is not None:
         q = query[0].transpose(0, 1).float().contiguous()  # [N, heads, D], token-major
+        head_len = batch.seg_head_len if batch.tail_groups else batch.seg_len
         out = kernel.prefill_attention(q, k_layer, v_layer, batch.seg_slot, batch.seg_start, batch.seg_offset,
-                                       batch.seg_len, scale)  # [N, heads, D] float32
+                                       head_len, scale)  # [N, heads, D] float32 (tails: zeros, filled below)
+        for tail, members in batch.tail_groups.items():
+            _attend_tails(kernel, query, k_layer, v_layer, batch, layer, scale, tail, members, out)
         return out[None].to(query.dtype)
     if query.is_cuda:  # torch's fused SDPA: one pass over K/V, no [group * T, end] scores in memory
         return attend_segments_sdpa(query, k_layer, v_layer, batch, scale)
-    return attend_segments_torch(query, k_layer, v_layer, batch, scale)
+    return attend_segments_torch(query, k_layer, v_layer, batch, layer, scale)
+
+
+def _attend_tails(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
+                  layer: int, scale: float, tail: int, members: list[int], out: torch.Tensor) -> None:
+    """The last `tail` tokens of each listed segment, attended with their mass by the decode kernel's
+    `attend_cached_scores` (token t of the tail sees positions up to end - tail + t, the causal rule) and
+    written into out [N, heads, D] (float32); each segment's observer gets its mass."""
+    H, D = query.shape[1], query.shape[3]
+    kv_heads = k_layer.shape[1]
+    segments = [batch.segments[i] for i in members]
+    firsts = [batch.offsets[i] + s.length - tail for i, s in zip(members, segments)]  # tails' first tokens
+    ends = [s.start + s.length for s in segments]
+    q = torch.stack([query[0, :, first:first + tail] for first in firsts])  # [B, heads, tail, D]
+    # [B, kv_heads, group * tail, D]: heads of a group, token fastest (the kernel's row order)
+    q = (q.float() * scale).reshape(len(members), kv_heads, (H // kv_heads) * tail, D).contiguous()
+    slots = torch.tensor([s.slot for s in segments], dtype=torch.long)  # [B]
+    o, mass = kernel.attend_cached_scores(q, k_layer, v_layer, slots, torch.tensor(ends, dtype=torch.long), tail,
+                                          max(ends))  # o: [B, kv_heads, group * tail, D]; mass: [B, kv_heads, max end]
+    o = o.view(len(members), H, tail, D).transpose(1, 2)  # [B, tail, heads, D]
+    for b, (segment, first, end) in enumerate(zip(segments, firsts, ends)):
+        out[first:first + tail] = o[b]
+        segment.observer.add_mass(layer, mass[b, :, :end], tail)
 
 
 def attend_segments_sdpa(query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
@@ -101,14 +150,14 @@ def attend_segments_sdpa(query: torch.Tensor, k_layer: torch.Tensor, v_layer: to
 
 
 def attend_segments_torch(query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
-                          batch: PrefillBatch, scale: float) -> torch.Tensor:
+                          batch: PrefillBatch, layer: int, scale: float) -> torch.Tensor:
     """The torch path, one segment at a time. query: [1, heads, N, D]; k_layer, v_layer: [slots, kv_heads,
-    capacity, D]. Returns [1, N, heads, D]."""
+    capacity, D]. Returns [1, N, heads, D]; segments with an observer hand it their window tokens' mass."""
     _, H, N, D = query.shape
     kv_heads = k_layer.shape[1]
     group = H // kv_heads
     out = query.new_empty(1, N, H, D)
-    for segment, offset in zip(batch.segments, batch.offsets):
+    for index, (segment, offset) in enumerate(zip(batch.segments, batch.offsets)):
         T, end = segment.length, segment.start + segment.length
         q = (query[0, :, offset:offset + T] * scale).reshape(kv_heads, group * T, D)  # [kv_heads, group * T, D]
         k = k_layer[segment.slot, :, :end]  # [kv_heads, end, D], a view of the cache
@@ -117,7 +166,10 @@ def attend_segments_torch(query: torch.Tensor, k_layer: torch.Tensor, v_layer: t
         if T > 1:  # new token t may not see new tokens after it
             causal = torch.ones(T, T, dtype=torch.bool, device=query.device).triu_(1)  # [T, T]
             scores.view(kv_heads, group, T, end)[..., end - T:].masked_fill_(causal, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(probs, v.to(q.dtype))  # [kv_heads, group * T, D]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # [kv_heads, group * T, end]
+        if tail := batch.tails[index]:  # the observer's window tokens: their mass, over them and the group
+            segment.observer.add_mass(layer, probs.view(kv_heads, group, T, end)[:, :, T - tail:].sum(dim=(1, 2)),
+                                      tail)
+        o = torch.matmul(probs.to(q.dtype), v.to(q.dtype))  # [kv_heads, group * T, D]
         out[0, offset:offset + T] = o.view(H, T, D).transpose(0, 1)
     return out

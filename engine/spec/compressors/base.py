@@ -97,8 +97,10 @@ class Compressor(ABC):
                                     extra=extra, copy_committed=copy_committed, sinks=self.compact_sinks)
         return True
 
-    def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None) -> None:
-        """The slot's prompt is cached. observed: [layers, heads, window, head_dim] or None."""
+    def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None,
+                     mass: torch.Tensor | None = None) -> None:
+        """The slot's prompt is cached. observed: [layers, heads, window, head_dim] or None; mass:
+        [layers, kv_heads, prompt_len], the window's attention mass when the prefill computed it."""
 
     def committed(self, slot: int, length: int) -> None:
         """The slot now has `length` committed positions (after a round or a rollback)."""

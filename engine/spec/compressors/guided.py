@@ -78,13 +78,16 @@ class Guided(Compressor):
 
     # ------------------------------------------------------------------ life cycle
 
-    def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None) -> None:
-        """SnapKV's scores of the prompt start the slot: [layers, 1, kv_heads, prompt_len]."""
+    def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None,
+                     mass: torch.Tensor | None = None) -> None:
+        """SnapKV's scores of the prompt start the slot: [layers, 1, kv_heads, prompt_len]. mass: the
+        window's attention mass from the prefill itself, or None (computed here)."""
         assert observed is not None, "the guided draft starts from the observation window's queries"
         window = observed.shape[2]
         cache = self.cache
         with self.timer:
-            mass = prompt_window_scores(observed, cache, slot, prompt_len)  # [layers, kv_heads, prompt_len]
+            if mass is None:
+                mass = prompt_window_scores(observed, cache, slot, prompt_len)  # [layers, kv_heads, prompt_len]
             pooled = pool_scores(mass.reshape(-1, prompt_len), self.config.kernel_size, self.config.pooling)
             scores = (pooled / (self.group * window)).view(cache.layers, 1, cache.kv_heads, prompt_len)
             slots = torch.tensor([slot], dtype=torch.long, device=cache.device)

@@ -39,7 +39,7 @@ class PQCache(Compressor):
         self.codes = torch.zeros(*shape, cache.capacity, self.subspaces, dtype=code_dtype, device=cache.device)
         self.encoded = [0] * cache.slots  # positions with valid codes, per slot
 
-    def prefill_done(self, slot: int, prompt_len: int, observed) -> None:
+    def prefill_done(self, slot: int, prompt_len: int, observed, mass=None) -> None:
         with self.timer:
             for layer in range(self.cache.layers):
                 keys = self.split(self.cache.k[layer, slot, :, :prompt_len])  # [kv_heads, subspaces, P, sub]

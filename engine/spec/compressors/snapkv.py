@@ -5,6 +5,8 @@ At prefill the last `window` prompt tokens observe: per layer, the softmax atten
 the query heads of each GQA group, smoothed with a 1-D pool of `kernel_size`, and the top
 `budget - window` positions before the window are kept per KV head. Static afterwards: the draft reads
 those positions plus the newest `window` (the observation window at first, sliding as tokens come).
+The prefill usually hands that mass over from its own attention of the window tokens (see
+`engine.core.prefill_attention`); `prompt_window_scores` computes it otherwise, in one more pass.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ class SnapKV(Compressor):
         self.kept_count = torch.zeros(cache.slots, dtype=torch.long, device=cache.device)
         self.kept_end = torch.zeros(cache.slots, dtype=torch.long, device=cache.device)
 
-    def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None) -> None:
+    def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None,
+                     mass: torch.Tensor | None = None) -> None:
+        """mass: [layers, kv_heads, prompt_len] from the prefill's own attention, or None (computed here)."""
         assert observed is not None, "SnapKV needs the observation window's queries"
         window = observed.shape[2]
         region = prompt_len - window  # candidates: positions before the observation window
@@ -40,7 +44,9 @@ class SnapKV(Compressor):
         self.kept_count[slot] = count
         if count:
             with self.timer:
-                scores = prompt_window_scores(observed, self.cache, slot, prompt_len)[..., :region]
+                if mass is None:
+                    mass = prompt_window_scores(observed, self.cache, slot, prompt_len)
+                scores = mass[..., :region]
                 layers, kv_heads = scores.shape[:2]  # scores: [layers, kv_heads, region]
                 pooled = pool_scores(scores.reshape(layers * kv_heads, region), self.config.kernel_size,
                                      self.config.pooling).view(layers, kv_heads, region)

@@ -19,7 +19,7 @@ class StreamingLLM(Compressor):
     def kept_entries(config) -> int:
         return min(config.sink, config.budget)
 
-    def prefill_done(self, slot: int, prompt_len: int, observed) -> None:
+    def prefill_done(self, slot: int, prompt_len: int, observed, mass=None) -> None:
         if self.compact is not None:
             count = min(prompt_len, self.compact.kept)
             sinks = torch.arange(count, device=self.cache.device).expand(self.cache.layers, self.cache.kv_heads, count)
