@@ -9,8 +9,9 @@ whatever the rows' lengths; then each row's full blocks are stored for later row
 draft's compressor) may ask for the queries of the prompt's last `observe_window` positions (SnapKV's
 observation window), which a `QueryWindow` captures as the forwards pass, together with those
 queries' attention mass over the prompt where the attention backend returns it (the fused kernel and
-the torch path do; the listener then needs no second pass), and is told when a slot's prompt is cached. Rows whose prompts share a prefix should not be in one wave (the scheduler splits
-waves so), or they compute it twice. This module knows nothing of speculation or scheduling.
+the torch path do; the listener then needs no second pass), and is told when a slot's prompt is
+cached. Rows whose prompts share a prefix should not be in one wave (the scheduler splits waves so),
+or they compute it twice. This module knows nothing of speculation or scheduling.
 """
 
 from __future__ import annotations
