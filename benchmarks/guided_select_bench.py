@@ -1,7 +1,8 @@
 """The guided view's selection op (`guided_select`, engine/core/csrc/cpu_guided.cpp) on one round's
 worth of tasks: 30 layers x 16 rows x 3 KV heads over 3,328 scores, sink 16, top 464 (budget 512,
 window 32), without and with the compact store's refill, at three amounts of change between rounds
-(scores = the last round's x (1 + noise x N(0, 1)); churn: the share of kept entries rewritten).
+(scores = the last round's x (1 + noise x N(0, 1)); churn: the share of kept entries rewritten), with
+`draft.floor` 0 (by score alone) and 1 (faint positions by recency).
 Median of 5 calls after one. Run it with PYTHONPATH at a checkout to time that checkout's op. Not a test.
 """
 
@@ -17,7 +18,8 @@ LAYERS, ROWS, KV_HEADS, POSITIONS, HEAD_DIM = 30, 16, 3, 3328, 64
 SINK, TOP, STORE_ENTRIES, CAPACITY = 16, 464, 1024 + 64, 4096
 
 
-def time_rounds(op, base: torch.Tensor, with_store: bool, noise: float, repeats: int = 5) -> tuple[float, float]:
+def time_rounds(op, base: torch.Tensor, with_store: bool, noise: float, floor: float,
+                repeats: int = 5) -> tuple[float, float]:
     """(median ms per call, mean churn) over `repeats` calls after a first one."""
     slots = torch.arange(ROWS)
     kept_end = torch.full((ROWS,), POSITIONS - 32, dtype=torch.long)
@@ -34,7 +36,7 @@ def time_rounds(op, base: torch.Tensor, with_store: bool, noise: float, repeats:
     for call in range(repeats + 1):
         scores = (base * (1 + noise * torch.randn_like(base))).abs().contiguous()  # [layers, B, kv_heads, N]
         start = time.perf_counter()
-        changed = op.guided_select(scores, slots, kept_end, old_count, kept, hint, 1.0, SINK, TOP, *store)
+        changed = op.guided_select(scores, slots, kept_end, old_count, kept, hint, 1.0, floor, SINK, TOP, *store)
         elapsed = time.perf_counter() - start
         old_count = torch.full((ROWS,), SINK + TOP, dtype=torch.long)
         if call:
@@ -46,10 +48,13 @@ def time_rounds(op, base: torch.Tensor, with_store: bool, noise: float, repeats:
 def main() -> None:
     op = kernels.load()
     base = torch.rand(LAYERS, ROWS, KV_HEADS, POSITIONS).pow(8)  # heavy-tailed, as attention mass is
-    for noise in (0.0, 0.3, 1.0):
-        alone, _ = time_rounds(op, base, False, noise)
-        refilled, churn = time_rounds(op, base, True, noise)
-        print(f"noise {noise}: selection {alone:.1f} ms, with the refill {refilled:.1f} ms (churn {churn:.2f})")
+    base /= base.sum(-1, keepdim=True)  # per-query probabilities
+    for floor in (0.0, 1.0):
+        for noise in (0.0, 0.3, 1.0):
+            alone, _ = time_rounds(op, base, False, noise, floor)
+            refilled, churn = time_rounds(op, base, True, noise, floor)
+            print(f"floor {floor}, noise {noise}: selection {alone:.1f} ms, with the refill {refilled:.1f} ms "
+                  f"(churn {churn:.2f})")
 
 
 if __name__ == "__main__":

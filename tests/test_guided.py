@@ -5,8 +5,8 @@
   group's query heads and the new tokens, and asking for it leaves the attention output unchanged.
 - Selection: after prefill (SnapKV's pooled window scores) and after rounds (the verification mass,
   smoothed or not), every row's view per layer and KV head is exactly sinks + the top
-  `budget - sink - window` of [sink, L - window) by score + the newest positions, checked with loops
-  over positions.
+  `budget - sink - window` of [sink, L - window) by rank (score at or above `draft.floor` x the
+  uniform share, else recency) + the newest positions, checked with loops over positions.
 - Compact store: its kept entries hold the cache's K/V of exactly the kept positions after every
   re-selection, and a position that stays kept is not copied again.
 """
@@ -91,18 +91,25 @@ def selection(request, monkeypatch):
     return request.param
 
 
-def guided_reference(scores, L, budget, sink, window):
+def rank(score, position, bar):
+    """The rule's order: positions scoring at least the bar by score, above every faint one, which go by position."""
+    return (1, score) if score >= bar else (0, position)
+
+
+def guided_reference(scores, L, budget, sink, window, floor=0.0):
     """Per KV head: the positions the rule keeps (a set) and the candidate scores, by loops.
 
-    scores: [kv_heads, >= L] (this row and layer). Returns (kept sets, candidates list, top count)."""
+    scores: [kv_heads, >= L] (this row and layer, per-query probabilities). Returns (kept sets,
+    candidates list, top count, kept_end, the bar under which positions go by recency)."""
     kept_end = max(L - window, 0)
     top = budget - sink - window
     candidates = list(range(sink, kept_end))
+    bar = floor / kept_end if kept_end else 0.0
     sets = []
     for h in range(KV_HEADS):
-        ranked = sorted(candidates, key=lambda p: -float(scores[h, p]))
+        ranked = sorted(candidates, key=lambda p: rank(float(scores[h, p]), p, bar), reverse=True)
         sets.append(set(range(min(sink, kept_end))) | set(ranked[:top]))
-    return sets, candidates, min(top, len(candidates)), kept_end
+    return sets, candidates, min(top, len(candidates)), kept_end, bar
 
 
 def view_sets(view, layer, B):
@@ -124,8 +131,8 @@ def check_view(method, slot, L, scores, ends=None):
     for end in ends or [L, L + 3]:
         view = method.view([slot], [end])
         for layer in range(LAYERS):
-            sets, candidates, top, kept_end = guided_reference(scores[layer], L, config.budget, config.sink,
-                                                               config.window)
+            sets, candidates, top, kept_end, bar = guided_reference(scores[layer], L, config.budget, config.sink,
+                                                                    config.window, config.floor)
             got = view_sets(view, layer, 1)[0]
             count = min(config.sink, kept_end) + top
             recent = set(range(max(kept_end, end - (config.budget - count)), end))
@@ -133,10 +140,13 @@ def check_view(method, slot, L, scores, ends=None):
                 chosen = got[h] - recent
                 assert set(range(min(config.sink, kept_end))) <= chosen
                 assert len(chosen) == count and len(got[h]) <= config.budget
-                threshold = sorted((float(scores[layer, h, p]) for p in candidates), reverse=True)[top - 1] \
-                    if top else math.inf
+                ranks = {p: rank(float(scores[layer, h, p]), p, bar) for p in candidates}
+                threshold = sorted(ranks.values(), reverse=True)[top - 1] if top else (2, 0.0)
                 for p in chosen - set(range(config.sink)):
-                    assert config.sink <= p < kept_end and float(scores[layer, h, p]) >= threshold - 1e-6
+                    assert config.sink <= p < kept_end
+                    # by score (equal to the threshold within rounding), or faint and at least as new
+                    assert ranks[p] >= threshold or (ranks[p][0] == threshold[0] == 1
+                                                     and ranks[p][1] >= threshold[1] - 1e-6), (p, ranks[p], threshold)
                 assert recent <= got[h]
 
 
@@ -145,10 +155,12 @@ def snapkv_scores(queries, keys, prompt_len, window, kernel):
     return torch.tensor([pooled(score, kernel) for score in window_attention_scores(queries, keys, prompt_len, window)])
 
 
+@pytest.mark.parametrize("floor", [0.0, 1.0, 3.0])
 @pytest.mark.parametrize("smoothing", [0.0, 0.5])
-def test_selection_follows_prefill_then_each_round(selection, smoothing):
+def test_selection_follows_prefill_then_each_round(selection, smoothing, floor):
     cache = filled_cache(seed=1)
-    config = DraftConfig(method="guided", budget=40, sink=4, window=6, kernel_size=3, smoothing=smoothing)
+    config = DraftConfig(method="guided", budget=40, sink=4, window=6, kernel_size=3, smoothing=smoothing,
+                         floor=floor)
     method = Guided(config, cache, HEADS)
     g = torch.Generator().manual_seed(2)
     prompts = {0: 120, 2: 32}  # a long prompt, and one whose candidates fit the budget
@@ -183,6 +195,11 @@ def test_selection_follows_prefill_then_each_round(selection, smoothing):
             check_view(method, slot, committed[slot] + 1, want)
             state[slot] = (want, committed[slot])
     assert int(method.kept_count[2]) == config.budget - config.window  # row 2 now fills its kept part
+    if floor:  # the bar is met by some positions and missed by others: both orders were exercised
+        scores, n = state[0]
+        bar = floor / (n + 1 - config.window)
+        assert (scores[..., config.sink:n + 1 - config.window] >= bar).any()
+        assert (scores[..., config.sink:n + 1 - config.window] < bar).any()
 
 
 def test_kernel_selection_with_ties_and_any_pivot_hint():
@@ -200,7 +217,7 @@ def test_kernel_selection_with_ties_and_any_pivot_hint():
         kept = torch.full((layers, slots_n, H, sink + top), -7, dtype=torch.long)
         hint = torch.full((layers, B, H), hint_value)
         changed = kernel.guided_select(scores, slots, kept_end, torch.zeros(B, dtype=torch.long), kept, hint,
-                                       1.0, sink, top, None, None, None, None)
+                                       1.0, 0.0, sink, top, None, None, None, None)
         assert changed == 0  # no store given
         for layer in range(layers):
             for b in range(B):
@@ -270,3 +287,7 @@ def test_recipe_keys_are_validated():
         with pytest.raises(JobError, match="draft.smoothing"):
             recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "smoothing": bad}})
     assert recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "smoothing": 0.3}}).draft.smoothing == 0.3
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(JobError, match="draft.floor"):
+            recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "floor": bad}})
+    assert recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "floor": 0}}).draft.floor == 0

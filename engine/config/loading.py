@@ -264,6 +264,8 @@ def _validate(r: Recipe, source: str) -> None:
         fail("draft.linear_dtype", f"must be {_one_of(LINEAR_DTYPES)}, got {d.linear_dtype!r}")
     if not 0.0 <= d.smoothing < 1.0:
         fail("draft.smoothing", f"must be in [0, 1), got {d.smoothing!r}")
+    if not d.floor >= 0.0:
+        fail("draft.floor", f"must be >= 0, got {d.floor!r}")
     if d.pooling not in POOLINGS:
         fail("draft.pooling", f"must be {_one_of(POOLINGS)}, got {d.pooling!r}")
     if not 1 <= d.bits <= 12:

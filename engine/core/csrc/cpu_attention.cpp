@@ -1144,8 +1144,8 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
 torch::Tensor silu_mul(torch::Tensor gate_up);
 // The guided draft view's selection (cpu_guided.cpp).
 int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor kept_end, torch::Tensor old_count,
-                      torch::Tensor kept, torch::Tensor hint, double hint_scale, int64_t sink, int64_t top,
-                      c10::optional<torch::Tensor> k_store,
+                      torch::Tensor kept, torch::Tensor hint, double hint_scale, double floor, int64_t sink,
+                      int64_t top, c10::optional<torch::Tensor> k_store,
                       c10::optional<torch::Tensor> v_store, c10::optional<torch::Tensor> k_cache,
                       c10::optional<torch::Tensor> v_cache);
 

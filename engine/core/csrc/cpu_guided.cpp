@@ -1,7 +1,10 @@
 // The guided draft view's selection after a round, one task per (layer, row, KV head), in one pass.
 //
 // Row b keeps [0, min(sink, kept_end[b])) and the `top` positions of [sink, kept_end[b]) with the
-// highest score (all of them when there are no more than `top`): a partial selection of the
+// highest rank (all of them when there are no more than `top`). A position's rank is its score if the
+// score reaches floor x the uniform share (floor / kept_end[b] as a per-query probability), else a
+// value under that bar growing with the position: the positions attention found are taken by score,
+// the faint ones newest first (floor 0: by score alone). A partial selection of the
 // top-th score (std::nth_element on a copy of the scores), then one branch-free scan taking every score above
 // it and the lowest positions among those equal to it, instead of a sort. The kept list of the row's slot
 // is rewritten in place. With a compact store (the lean draft's bf16 copy of the view), a position
@@ -24,13 +27,13 @@
 // [0, count) of each task; count = min(sink, kept_end) + min(top, kept_end - sink)); old_count: the
 // entries that held positions before (only read with a store). kept_end[b] <= N. hint: [layers, B,
 // kv_heads] float32, the previous round's threshold per task times hint_scale (<= 0: none; the
-// scale makes rounds of different scores' scales comparable), updated in place (a speed-up only: the
-// result does not depend on it).
+// scale makes rounds of different scores' scales comparable; scores x hint_scale are per-query
+// probabilities), updated in place (a speed-up only: the result does not depend on it). floor >= 0.
 // k_store, v_store: [layers, slots, kv_heads, S, D] bfloat16 and k_cache, v_cache [layers, slots,
 // kv_heads, capacity, D] float32, all given or none. Returns the number of store entries rewritten.
 int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor kept_end, torch::Tensor old_count,
-                      torch::Tensor kept, torch::Tensor hint, double hint_scale, int64_t sink, int64_t top,
-                      c10::optional<torch::Tensor> k_store,
+                      torch::Tensor kept, torch::Tensor hint, double hint_scale, double floor, int64_t sink,
+                      int64_t top, c10::optional<torch::Tensor> k_store,
                       c10::optional<torch::Tensor> v_store, c10::optional<torch::Tensor> k_cache,
                       c10::optional<torch::Tensor> v_cache) {
   TORCH_CHECK(scores.dtype() == torch::kFloat32 && scores.is_contiguous() && scores.dim() == 4, "scores [L, B, H, N] float32");
@@ -74,7 +77,7 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
   std::atomic<int64_t> changed{0};
   at::parallel_for(0, layers * B * KVH, 1, [&](int64_t begin, int64_t stop) {
     std::vector<int64_t> chosen(sink + top + 1);
-    std::vector<float> values(std::max<int64_t>(N - sink, 0));
+    std::vector<float> values(std::max<int64_t>(N - sink, 0)), ranks(floor > 0.0 ? N : 0);
     std::vector<uint8_t> mark(with_store ? N : 0, 0), stays;
     std::vector<std::pair<int64_t, int64_t>> moves;  // (store entry, position) to copy
     int64_t local = 0;
@@ -82,6 +85,13 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
       const int64_t l = task / (B * KVH), b = (task / KVH) % B, h = task % KVH;
       const float* s = sp + task * N;
       const int64_t end = end_p[b];
+      if (floor > 0.0 && end > sink) {  // rank by score above the bar, by recency under it
+        const float bar = static_cast<float>(floor / static_cast<double>(end) / hint_scale);
+        const float step = bar / static_cast<float>(end + 2);
+        for (int64_t p = sink; p < end; ++p)
+          ranks[p] = s[p] < bar ? step * static_cast<float>(p + 1) : s[p];
+        s = ranks.data();
+      }
       const int64_t sinks = std::min(sink, std::max<int64_t>(end, 0));
       const int64_t candidates = std::max<int64_t>(end - sink, 0);
       const int64_t take = std::min(candidates, top);

@@ -7,8 +7,14 @@ After each round, per row, layer and KV head, this view keeps:
 
 - the first `sink` positions (attention sinks),
 - the newest `window` positions (sliding as the next round drafts), and
-- the top `budget - sink - window` of the positions in between, [sink, L - window), by score, where
+- the top `budget - sink - window` of the positions in between, [sink, L - window), by rank, where
   L is the end of the first draft forward that reads the view (the pending token's position + 1).
+  A position's rank is its score where that reaches `draft.floor` x the uniform share (floor / (L -
+  window) as a per-query probability), else its recency: the positions attention found go first, by
+  score, then the newest of the faint ones. One verification has gamma + 1 queries per row, so below
+  the bar its scores order the tail by noise, and recency is the better guess there (measured on the
+  code prompts at gamma 3: acceptance 0.84 by score alone, 0.88 with floor 1, StreamingLLM 0.85;
+  BENCHMARKS.md section 27). floor 0 ranks by score alone.
 
 The score is the round's mass divided by the number of queries (group heads x tokens), so rounds of
 different gamma weigh alike; with `draft.smoothing` s > 0 it is s x the previous score + (1 - s) x
@@ -149,11 +155,14 @@ class Guided(Compressor):
             hint = self.threshold[:, slots]  # [layers, B, kv_heads]: last round's thresholds (a speed-up)
             self.changed_entries += kernel.guided_select(scores.contiguous(), slots, kept_end,
                                                          self.kept_count.index_select(0, slots), self.kept,
-                                                         hint, scale, self.sink, self.top, *store)
+                                                         hint, scale, self.config.floor, self.sink, self.top,
+                                                         *store)
             self.threshold[:, slots] = 0.0 if start else hint
             if refill:
                 self._mark_kept_entries(slots, count)
         else:
+            if self.config.floor > 0:
+                scores = rank_faint_by_recency(scores, (ends_t - self.window).clamp(min=0), self.config.floor / scale)
             kept, count, kept_end = select_top(scores, ends_t, sink=self.sink, window=self.window, top=self.top)
             if refill:
                 kept = self._refill(slots, kept, count)
@@ -210,6 +219,18 @@ class Guided(Compressor):
                              self.kept_count.index_select(0, index), self.kept_end.index_select(0, index),
                              torch.tensor(ends, dtype=torch.long, device=device), self.budget, self.timer,
                              layer_invariant=False, slots=index, compact=self.compact)
+
+
+def rank_faint_by_recency(scores: torch.Tensor, kept_end: torch.Tensor, floor: float) -> torch.Tensor:
+    """scores [layers, B, kv_heads, N] with each position under floor / kept_end[b] (floor x the uniform
+    share, in the scores' units) replaced by a value under that bar that grows with the position, so a
+    top-k takes the positions above the bar by score, then the newest of the rest."""
+    N = scores.shape[-1]
+    length = kept_end.clamp(min=1).to(torch.float32)  # [B]
+    bar = (floor / length)[:, None]  # [B, 1]
+    positions = torch.arange(N, device=scores.device, dtype=torch.float32)[None, :]  # [1, N]
+    recency = bar * (positions + 1) / (length[:, None] + 2)  # [B, N]: under the bar for p < kept_end
+    return torch.where(scores < bar[None, :, None, :], recency[None, :, None, :], scores)
 
 
 def select_top(scores: torch.Tensor, ends: torch.Tensor, *, sink: int, window: int,
