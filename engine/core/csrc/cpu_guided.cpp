@@ -4,9 +4,12 @@
 // highest rank (all of them when there are no more than `top`). A position's rank is its score if the
 // score reaches floor x the uniform share (floor / kept_end[b] as a per-query probability), else a
 // value under that bar growing with the position: the positions attention found are taken by score,
-// the faint ones newest first (floor 0: by score alone). A partial selection of the
-// top-th score (std::nth_element on a copy of the scores), then one branch-free scan taking every score above
-// it and the lowest positions among those equal to it, instead of a sort. The kept list of the row's slot
+// the faint ones newest first (floor 0: by score alone). Where the positions at or above the bar fit
+// in `top`, two scans (the cutoff of the newest faint ones, then the kept list) and no selection;
+// otherwise the top `top` all score above the bar, and the selection is by score: a partial selection
+// of the top-th score (std::nth_element on a copy of the scores), then one branch-free scan taking
+// every score above it and the lowest positions among those equal to it, instead of a sort. The kept
+// list of the row's slot
 // is rewritten in place. With a compact store (the lean draft's bf16 copy of the view), a position
 // that was kept before keeps its entry; each newly kept position takes a freed entry (lowest first)
 // and its K/V are copied there from the float32 cache, so only changed entries are written. The
@@ -77,7 +80,7 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
   std::atomic<int64_t> changed{0};
   at::parallel_for(0, layers * B * KVH, 1, [&](int64_t begin, int64_t stop) {
     std::vector<int64_t> chosen(sink + top + 1);
-    std::vector<float> values(std::max<int64_t>(N - sink, 0)), ranks(floor > 0.0 ? N : 0);
+    std::vector<float> values(std::max<int64_t>(N - sink, 0));
     std::vector<uint8_t> mark(with_store ? N : 0, 0), stays;
     std::vector<std::pair<int64_t, int64_t>> moves;  // (store entry, position) to copy
     int64_t local = 0;
@@ -85,20 +88,36 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
       const int64_t l = task / (B * KVH), b = (task / KVH) % B, h = task % KVH;
       const float* s = sp + task * N;
       const int64_t end = end_p[b];
-      if (floor > 0.0 && end > sink) {  // rank by score above the bar, by recency under it
-        const float bar = static_cast<float>(floor / static_cast<double>(end) / hint_scale);
-        const float step = bar / static_cast<float>(end + 2);
-        for (int64_t p = sink; p < end; ++p)
-          ranks[p] = s[p] < bar ? step * static_cast<float>(p + 1) : s[p];
-        s = ranks.data();
-      }
       const int64_t sinks = std::min(sink, std::max<int64_t>(end, 0));
       const int64_t candidates = std::max<int64_t>(end - sink, 0);
       const int64_t take = std::min(candidates, top);
       const int64_t count = sinks + take;
       for (int64_t i = 0; i < sinks; ++i) chosen[i] = i;
+      // With a floor, count the positions at or above the bar: if they fit, the rest of the room goes
+      // to the newest faint ones (no selection at all); if not, the top by score are all above it.
+      const float bar = floor > 0.0 ? static_cast<float>(floor / static_cast<double>(std::max<int64_t>(end, 1)) /
+                                                         hint_scale) : 0.0f;
+      int64_t above = top + 1;
+      if (floor > 0.0 && candidates > top) {
+        above = 0;
+        for (int64_t p = sink; p < end; ++p) above += s[p] >= bar;
+      }
       if (candidates <= top) {
         for (int64_t i = 0; i < take; ++i) chosen[sinks + i] = sink + i;
+      } else if (above <= top) {
+        // The newest `top - above` faint positions are those from `cutoff` on.
+        int64_t need = top - above, cutoff = end;
+        for (int64_t p = end - 1; need > 0; --p) {
+          const bool faint = s[p] < bar;
+          need -= faint;
+          cutoff = faint ? p : cutoff;
+        }
+        int64_t n = sinks;
+        for (int64_t p = sink; p < end; ++p) {
+          chosen[n] = p;
+          n += (s[p] >= bar) | (p >= cutoff);
+        }
+        hp[task] = 0.0f;  // no score threshold to start the next round's selection from
       } else {
         // The top-th largest score, then one scan: every score above it and, lowest positions
         // first, as many equal to it as there is room for.
