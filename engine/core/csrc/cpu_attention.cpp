@@ -26,7 +26,8 @@
 //    blocks are widened once into a float32 scratch and shared by every query row; a block no query
 //    row may see (a compact store's ring entries outside the view) is skipped unread;
 //  - AVX-512, head sizes 32, 64, 96, 128: scores 16 entries per query row at once, the same base-2
-//    exponential 16 lanes wide, up to 4 query rows' outputs per V row loaded.
+//    exponential 16 lanes wide, up to 4 query rows' outputs per V row loaded; a block no query row
+//    may see is skipped, and not prefetched by the block before it.
 // The AVX2 and AVX-512 tasks each have a group task (attend_cached_shared) over the same block loop.
 // Where both vector paths are compiled in, AVX-512 takes what it covers and AVX2 the rest.
 // `use_vector_path(false)` forces the portable one (the tests check both).
@@ -74,6 +75,14 @@ struct Entries {
   const int64_t* positions = nullptr;
   const bool* valid = nullptr;
   const int64_t* entry_pos = nullptr;
+
+  // Whether any of entries [first, first + n) holds a position before `end` (dense rows always do).
+  inline bool any_before(int64_t first, int64_t n, int64_t end) const {
+    if (entry_pos == nullptr) return true;
+    bool any = false;
+    for (int64_t e = first; e < first + n; ++e) any |= entry_pos[e] >= 0 && entry_pos[e] < end;
+    return any;
+  }
 
   // The position entry e holds (`end`, never visible, when unused) and the K/V row it is stored in.
   inline void at(int64_t e, int64_t end, int64_t* pos, int64_t* row) const {
@@ -630,12 +639,21 @@ MAGICDEC_ONE_COPY void attend_blocks(const RowState& st, int64_t R, int64_t T, i
     const int64_t n = std::min(kBlock, n_entries - start);
     const int64_t blk = start / kBlock;
     float* scores = st.scores + (st.block_max ? blk * R * kBlock : 0);  // this block's [R, kBlock]
+    bool block_seen = false;  // whether any query row sees an entry of this block
     for (int64_t i = 0; i < kBlock; ++i) {
       int64_t row;
       entries.at(std::min(start + i, n_entries - 1), end, pos + i, &row);  // lanes past n read a valid row...
       if (i >= n) pos[i] = end;  // ...masked here
+      block_seen |= pos[i] < end;
       k_rows[i] = k + row * D;
       v_rows[i] = v + row * D;
+    }
+    if (!block_seen) {  // e.g. a compact store's ring entries outside the view: nothing to read or fold in
+      if (st.block_max != nullptr) {  // as the online softmax below leaves such a block
+        std::fill(scores, scores + R * kBlock, 0.0f);
+        for (int64_t r = 0; r < R; ++r) st.block_max[r * st.n_blocks + blk] = st.row_max[r];
+      }
+      continue;
     }
     // Dense rows: the next block's K and V are asked for (into L2) a few lines at a time between this
     // block's score tiles, so that they arrive while it computes. Issued in one burst, the requests
@@ -644,7 +662,8 @@ MAGICDEC_ONE_COPY void attend_blocks(const RowState& st, int64_t R, int64_t T, i
     const char* next_k = nullptr;
     const char* next_v = nullptr;
     int64_t next_bytes = 0, next_sent = 0, lines_per_tile = 0;
-    if (entries.positions == nullptr && start + kBlock < n_entries) {
+    if (entries.positions == nullptr && start + kBlock < n_entries &&
+        entries.any_before(start + kBlock, std::min(kBlock, n_entries - start - kBlock), end)) {
       next_bytes = std::min(kBlock, n_entries - start - kBlock) * D * int64_t(sizeof(E));
       next_k = reinterpret_cast<const char*>(k + (start + kBlock) * D);
       next_v = reinterpret_cast<const char*>(v + (start + kBlock) * D);
