@@ -9,11 +9,11 @@
 // otherwise the top `top` all score above the bar, and the selection is by score: a partial selection
 // of the top-th score (std::nth_element on a copy of the scores), then one branch-free scan taking
 // every score above it and the lowest positions among those equal to it, instead of a sort. The kept
-// list of the row's slot
-// is rewritten in place. With a compact store (the lean draft's bf16 copy of the view), a position
-// that was kept before keeps its entry; each newly kept position takes a freed entry (lowest first)
-// and its K/V are copied there from the float32 cache, so only changed entries are written. The
-// rule and its torch twin are `engine/spec/compressors/guided.py`; this file only computes them.
+// list of the row's slot is rewritten in place. With a compact store (the lean draft's bf16 copy of
+// the view), a position that was kept before keeps its entry; each newly kept position takes a freed
+// entry (lowest first) and its K/V are copied there from the float32 cache, so only changed entries
+// are written. The rule and its torch twin are `engine/spec/compressors/guided.py`; this file only
+// computes them.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
