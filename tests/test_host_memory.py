@@ -18,7 +18,8 @@ import pytest
 
 # One "layer" of a 512-token prefill forward's activations on the 135M model's widths (hidden 576,
 # MLP 1536: 1.2-3 MiB each, past glibc's default mmap threshold), made, filled and freed; after a warm-up,
-# prints the minor page faults of 60 layers. With the defaults they fault ~2,000 pages a layer in again.
+# prints the minor page faults of 60 layers. Handed back to the kernel on free (argv "unmap-on-free"),
+# they fault ~2,000 pages a layer in again; kept (the code's setting), none.
 PROBE = textwrap.dedent("""
     import ctypes, resource, sys
     import torch

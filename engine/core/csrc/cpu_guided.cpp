@@ -93,18 +93,15 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
       const int64_t take = std::min(candidates, top);
       const int64_t count = sinks + take;
       for (int64_t i = 0; i < sinks; ++i) chosen[i] = i;
-      // With a floor, count the positions at or above the bar: if they fit, the rest of the room goes
-      // to the newest faint ones (no selection at all); if not, the top by score are all above it.
-      const float bar = floor > 0.0 ? static_cast<float>(floor / static_cast<double>(std::max<int64_t>(end, 1)) /
-                                                         hint_scale) : 0.0f;
-      int64_t above = top + 1;
-      if (floor > 0.0 && candidates > top) {
-        above = 0;
+      // With a floor, the positions at or above the bar: if they fit, the rest of the room goes to the
+      // newest faint ones (no selection at all); if not, the top by score are all above it.
+      const float bar = static_cast<float>(floor / static_cast<double>(std::max<int64_t>(end, 1)) / hint_scale);
+      int64_t above = 0;
+      if (floor > 0.0 && candidates > top)
         for (int64_t p = sink; p < end; ++p) above += s[p] >= bar;
-      }
       if (candidates <= top) {
         for (int64_t i = 0; i < take; ++i) chosen[sinks + i] = sink + i;
-      } else if (above <= top) {
+      } else if (floor > 0.0 && above <= top) {
         // The newest `top - above` faint positions are those from `cutoff` on.
         int64_t need = top - above, cutoff = end;
         for (int64_t p = end - 1; need > 0; --p) {
