@@ -1,10 +1,10 @@
 """One decode step's GEMMs of the default model read from its GGUF blocks against its float32 weights.
 
-Not a test: a micro-benchmark behind BENCHMARKS.md sections 19 and 21. It loads the default model as
-the engine does (`ModelRunner` keeps the GGUF's blocks), then times the few-row kernel over the 210
+Not a test: a micro-benchmark behind BENCHMARKS.md sections 19, 21 and 29. It loads the default model
+as the engine does (`ModelRunner` keeps the GGUF's blocks), then times the few-row kernel over the 210
 layer linears (Q4_1) and the lm_head (Q8_0) at M rows, each call reading the blocks, against the
-same calls reading the float32 weights; where the layers' Q4_1 blocks are kept as 16-output panels
-(AVX-512), it times the panels too and the same blocks read one output at a time. The three are
+same calls reading the float32 weights; where the blocks are kept as 16-output panels (AVX-512), it
+times the panels too and the same blocks read one output at a time. The three are
 timed in turn, --repeats rounds, median of each. It asserts that blocks read one output at a time
 give the float32 kernel's bits, and that panels agree with them to float32 rounding. Writes JSON.
 
@@ -27,7 +27,7 @@ from decode_setup import cpu_model_name
 from engine.core import kernels
 from engine.core.linear import FORMATS
 from engine.core.runner import ModelRunner
-from engine.models.gguf_blocks import PackedWeight, q4_1_from_panels
+from engine.models.gguf_blocks import FROM_PANELS, PackedWeight
 from engine.models.loading import load_model
 
 
@@ -53,8 +53,8 @@ def main() -> None:
         for name, modules in parts.items():
             calls = [(xs[m.weight.shape[1]], m.weight, m.packed) for m in modules]
             # the same blocks as the dot-product tiles read them (panels regrouped back)
-            dot_calls = [(x, w, PackedWeight("q4_1", q4_1_from_panels(p.blocks)) if p.format == "q4_1_panels" else p)
-                         for x, w, p in calls]
+            dot_calls = [(x, w, PackedWeight(FROM_PANELS[p.format][0], FROM_PANELS[p.format][1](p.blocks))
+                          if p.format in FROM_PANELS else p) for x, w, p in calls]
 
             def reading(chosen):
                 return lambda: [kernel.small_linear_cat(x, [w], [None], [p.blocks], [FORMATS[p.format]])
@@ -64,7 +64,7 @@ def main() -> None:
                 return [kernel.small_linear(x, w, None) for x, w, _ in calls]
 
             timed = {"float32": from_float32, "blocks": reading(dot_calls)}
-            if any(p.format == "q4_1_panels" for _, _, p in calls):
+            if any(p.format in FROM_PANELS for _, _, p in calls):
                 timed["panels"] = reading(calls)
             reference = from_float32()
             assert all(torch.equal(a, b) for a, b in zip(timed["blocks"](), reference)), name

@@ -2,8 +2,8 @@
 
 References: gguf-py's own `quantize` / `dequantize` for the block layout and its rounding,
 transformers' GGUF loader for the q/k row order, and the float32 kernel over the de-quantised
-weight, which reading the blocks must match bit for bit (Q4_1 panels, another summation order: float64,
-and a row's bits alone and in any batch).
+weight, which reading the blocks must match bit for bit (Q4_1 and Q8_0 panels, another summation order:
+float64, and a row's bits alone and in any batch).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 from conftest import make_tiny
 from engine.core import linear as engine_linear
 from engine.core.kernels import load as load_kernels
-from engine.models.gguf_blocks import (BLOCK_BYTES, PackedWeight, attach_gguf_blocks, dequantise,
-                                       q4_1_from_panels, q4_1_panels, unpermute_rope_rows)
+from engine.models.gguf_blocks import (BLOCK_BYTES, FROM_PANELS, PANELS, PackedWeight, attach_gguf_blocks,
+                                       dequantise, q4_1_from_panels, q4_1_panels, q8_0_from_panels, q8_0_panels,
+                                       unpermute_rope_rows)
 
 QTYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
@@ -80,8 +81,8 @@ def test_side_by_side_mixes_float32_and_block_weights(kernel):
 
 @pytest.fixture(scope="module")
 def panel_kernel(kernel):
-    if engine_linear.FORMATS["q4_1_panels"] not in kernel.small_linear_formats():
-        pytest.skip("the kernel reads Q4_1 panels only where it is built with AVX-512")
+    if not {engine_linear.FORMATS["q4_1_panels"], engine_linear.FORMATS["q8_0_panels"]} <= set(kernel.small_linear_formats()):
+        pytest.skip("the kernel reads Q4_1 and Q8_0 panels only where it is built with AVX-512")
     return kernel
 
 
@@ -99,16 +100,32 @@ def test_panels_hold_the_blocks_bytes_where_the_kernel_reads_them():
     assert torch.equal(q4_1_from_panels(panels), blocks)
 
 
+def test_q8_0_panels_hold_the_blocks_bytes_where_the_kernel_reads_them():
+    """Byte by byte against the layout's definition, and back."""
+    blocks = quantised("q8_0", 32, 64, seed=9)
+    panels = q8_0_panels(blocks)
+    assert panels.shape == (2, 2, 544)
+    for n in range(32):
+        g, i = divmod(n, 16)
+        for b in range(2):
+            block, panel = blocks[n, b], panels[g, b]
+            assert torch.equal(panel[2 * i: 2 * i + 2], block[0:2])
+            assert torch.equal(panel[32 + i::16], block[2:34])  # weight k at row k, column i
+    assert torch.equal(q8_0_from_panels(panels), blocks)
+
+
+@pytest.mark.parametrize("block_format", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("M", [1, 2, 3, 13, 16, 17, 26, 40])
 @pytest.mark.parametrize("K,N", [(64, 48), (576, 192), (1536, 16)])
-def test_panels_give_the_product_and_a_rows_bits_do_not_depend_on_its_batch(panel_kernel, M, K, N):
+def test_panels_give_the_product_and_a_rows_bits_do_not_depend_on_its_batch(panel_kernel, block_format, M, K, N):
     """Against float64 (each output's error within float32 rounding of its terms' magnitudes); each
     row alone, and the rows in reverse order, give the very same bits as in the whole batch."""
-    blocks = quantised("q4_1", N, K, seed=M + K)
-    weight, panels = dequantise(blocks, "q4_1"), q4_1_panels(blocks)
+    blocks = quantised(block_format, N, K, seed=M + K)
+    panel_format, regroup = PANELS[block_format]
+    weight, panels = dequantise(blocks, block_format), regroup(blocks)
     g = torch.Generator().manual_seed(M)
     x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
-    fmt = engine_linear.FORMATS["q4_1_panels"]
+    fmt = engine_linear.FORMATS[panel_format]
     for b in (None, bias):
         got = panel_kernel.small_linear_cat(x, [weight], [b], [panels], [fmt])
         want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
@@ -125,10 +142,12 @@ def test_panels_side_by_side_with_other_formats_keep_each_parts_bits(panel_kerne
     g = torch.Generator().manual_seed(4)
     x = torch.randn(13, 128, generator=g)
     q4a, q4b, q8 = quantised("q4_1", 32, 128, seed=10), quantised("q4_1", 20, 128, seed=11), quantised("q8_0", 16, 128, seed=12)
+    q8p = quantised("q8_0", 48, 128, seed=13)
     plain = torch.randn(24, 128, generator=g)
-    weights = [dequantise(q4a, "q4_1"), plain, dequantise(q4b, "q4_1"), dequantise(q8, "q8_0")]
-    packed = [PackedWeight("q4_1_panels", q4_1_panels(q4a)), None, PackedWeight("q4_1", q4b), PackedWeight("q8_0", q8)]
-    got = engine_linear.linear_cat(x, weights, [None] * 4, packed)
+    weights = [dequantise(q4a, "q4_1"), plain, dequantise(q4b, "q4_1"), dequantise(q8, "q8_0"), dequantise(q8p, "q8_0")]
+    packed = [PackedWeight("q4_1_panels", q4_1_panels(q4a)), None, PackedWeight("q4_1", q4b), PackedWeight("q8_0", q8),
+              PackedWeight("q8_0_panels", q8_0_panels(q8p))]
+    got = engine_linear.linear_cat(x, weights, [None] * 5, packed)
     assert torch.equal(got, torch.cat([engine_linear.linear(x, w, None, p) for w, p in zip(weights, packed)], dim=1))
 
 
@@ -148,8 +167,9 @@ def test_linear_reads_the_blocks_and_the_switch_turns_that_off(kernel, monkeypat
 
 @pytest.mark.real_model
 def test_the_default_models_linears_get_blocks_that_are_their_weights(real_model):
-    """Every layer linear has its Q4_1 blocks and the tied lm_head its Q8_0 ones, and each
-    de-quantises to exactly the loaded float32 weight (the file saved once beside the converted copy)."""
+    """Every layer linear has its Q4_1 blocks and the tied lm_head its Q8_0 ones (as panels where the
+    kernel has AVX-512), and each de-quantises to exactly the loaded float32 weight (the file saved
+    once beside the converted copy)."""
     model = real_model.model
     assert engine_linear.keep_gguf_blocks(model, real_model.gguf) == 211  # (as the model runner does)
     layers = [m for layer in model.model.layers for m in (
@@ -157,11 +177,12 @@ def test_the_default_models_linears_get_blocks_that_are_their_weights(real_model
         layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
     panels = "q4_1_panels" in engine_linear._blocks_read()  # where the kernel has AVX-512
     assert all(m.packed is not None and m.packed.format == ("q4_1_panels" if panels else "q4_1") for m in layers)
-    assert model.lm_head.packed is not None and model.lm_head.packed.format == "q8_0"
+    assert model.lm_head.packed is not None and model.lm_head.packed.format == ("q8_0_panels" if panels else "q8_0")
     for module in [*layers, model.lm_head]:
         blocks, fmt = module.packed.blocks, module.packed.format
-        if fmt == "q4_1_panels":
-            blocks, fmt = q4_1_from_panels(blocks), "q4_1"
+        if fmt in FROM_PANELS:
+            fmt, regroup_back = FROM_PANELS[fmt]
+            blocks = regroup_back(blocks)
         assert torch.equal(dequantise(blocks, fmt), module.weight)
 
 

@@ -19,9 +19,9 @@ A module may carry `packed`, the GGUF blocks its float32 weight was de-quantised
 Q8_0). `keep_gguf_blocks` gives them where the kernel reads them, through `engine.models.gguf_blocks`,
 which checks that they de-quantise to exactly that weight. The kernel then reads the blocks (0.625 or
 1.06 bytes a weight instead of 4) and gives the same bits; with `MAGICDEC_GGUF_BLOCKS=0` it reads
-the float32 copy. Where the kernel has AVX-512, Q4_1 blocks are regrouped once into 16-output panels,
-which it multiplies as an outer product (faster; other bits than the float32 kernel's, the same for a
-row whatever its batch). Not here: low-precision draft GEMMs
+the float32 copy. Where the kernel has AVX-512, Q4_1 and Q8_0 blocks are regrouped once into 16-output
+panels, which it multiplies as an outer product (faster; other bits than the float32 kernel's, the same
+for a row whatever its batch). Not here: low-precision draft GEMMs
 (`engine.spec.draft.gemms`), sharded layers (DeepSpeed's keep their own forward), attention.
 """
 
@@ -35,16 +35,17 @@ import torch
 import torch.nn.functional as F
 
 from engine.core import kernels as cpu_kernels
-from engine.models.gguf_blocks import PANEL_OUTPUTS, PackedWeight, attach_gguf_blocks, q4_1_panels
+from engine.models.gguf_blocks import PANEL_OUTPUTS, PANELS, PackedWeight, attach_gguf_blocks
 from engine.models.loading import GgufSource
 
 MAX_ROWS = 128  # AVX2: above this torch's GEMM is as fast (BENCHMARKS.md section 12)
 MAX_ROWS_AVX512 = 40  # AVX-512: from ~40 rows torch's GEMM is as fast (BENCHMARKS.md section 15)
 SWITCH_ENV = "MAGICDEC_SMALL_GEMM"  # "0": always torch's GEMM
 BLOCKS_ENV = "MAGICDEC_GGUF_BLOCKS"  # "0": the kernel reads float32 weights even where blocks are attached
-# block formats -> the kernel's ids (cpu_linear.cpp's WeightFormat); q4_1_panels: Q4_1 regrouped by 16 outputs
-FORMATS = {"q4_1": 1, "q8_0": 2, "q4_1_panels": 3}
-FORMAT_NAMES = {"q4_1": "Q4_1", "q8_0": "Q8_0", "q4_1_panels": "Q4_1 (16-output panels)"}  # for the report
+# block formats -> the kernel's ids (cpu_linear.cpp's WeightFormat); *_panels: regrouped by 16 outputs
+FORMATS = {"q4_1": 1, "q8_0": 2, "q4_1_panels": 3, "q8_0_panels": 4}
+FORMAT_NAMES = {"q4_1": "Q4_1", "q8_0": "Q8_0", "q4_1_panels": "Q4_1 (16-output panels)",
+                "q8_0_panels": "Q8_0 (16-output panels)"}  # for the report
 _in_engine = contextvars.ContextVar("magicdec_engine_forward", default=False)
 _state: dict[str, object] = {}
 
@@ -207,11 +208,12 @@ def keep_gguf_blocks(model: torch.nn.Module, source: GgufSource | None) -> int:
         return 0
     if not any(getattr(m, "packed", None) is not None for m in linears):
         attach_gguf_blocks(model, source.file, source.folder)
-        if "q4_1_panels" in _blocks_read():
-            for module in linears:
-                packed = getattr(module, "packed", None)
-                if packed is not None and packed.format == "q4_1" and packed.blocks.shape[0] % PANEL_OUTPUTS == 0:
-                    module.packed = PackedWeight("q4_1_panels", q4_1_panels(packed.blocks))
+        for module in linears:
+            packed = getattr(module, "packed", None)
+            if packed is not None and packed.format in PANELS and packed.blocks.shape[0] % PANEL_OUTPUTS == 0:
+                panels, regroup = PANELS[packed.format]
+                if panels in _blocks_read():
+                    module.packed = PackedWeight(panels, regroup(packed.blocks))
     return sum(getattr(m, "packed", None) is not None for m in linears)
 
 

@@ -9,7 +9,7 @@ It keeps only the layers whose blocks de-quantise, in float32 as gguf-py does (Q
 + m; Q8_0: d * q), to exactly the loaded weight. It saves them once beside the converted copy
 (`gguf_blocks.safetensors`) and attaches them to their modules as `module.packed`.
 
-`q4_1_panels` regroups Q4_1 blocks by 16 outputs, the layout the AVX-512 kernel reads them in.
+`q4_1_panels` and `q8_0_panels` regroup blocks by 16 outputs, the layout the AVX-512 kernel reads them in.
 Not here: the conversion, the kernel, and other block formats (those layers stay float32).
 """
 
@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PackedWeight:
     """The GGUF blocks a float32 weight [N, K] was de-quantised from: blocks uint8 [N, K / 32, bytes],
-    or for "q4_1_panels" the same Q4_1 blocks as panels [N / 16, K / 32, 320] (`q4_1_panels`)."""
+    or for "q4_1_panels" / "q8_0_panels" the same blocks as panels [N / 16, K / 32, 320 / 544]
+    (`q4_1_panels`, `q8_0_panels`)."""
 
     format: str  # a key of BLOCK_BYTES
     blocks: torch.Tensor
@@ -60,7 +61,7 @@ def dequantise(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     return weights.reshape(blocks.shape[0], -1)
 
 
-PANEL_OUTPUTS = 16  # outputs per Q4_1 panel
+PANEL_OUTPUTS = 16  # outputs per panel
 
 
 def q4_1_panels(blocks: torch.Tensor) -> torch.Tensor:
@@ -84,6 +85,30 @@ def q4_1_from_panels(panels: torch.Tensor) -> torch.Tensor:
     nibbles = panels[..., 64:].reshape(groups, per_row, 16, PANEL_OUTPUTS).transpose(2, 3)  # [G, KB, 16 (i), 16 (j)]
     blocks = torch.cat([d, m, nibbles], dim=-1)  # [G, KB, 16, 20]
     return blocks.permute(0, 2, 1, 3).reshape(groups * PANEL_OUTPUTS, per_row, BLOCK_BYTES["q4_1"]).contiguous()
+
+
+def q8_0_panels(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks uint8 [N, K / 32, 34] (N a multiple of 16) -> the same bytes as panels uint8
+    [N / 16, K / 32, 544]: per 16 outputs and block, their 16 fp16 d, then for k = 0..31 sixteen
+    bytes, byte i being output i's int8 weight k."""
+    rows, per_row, _ = blocks.shape
+    g = blocks.view(rows // PANEL_OUTPUTS, PANEL_OUTPUTS, per_row, BLOCK_BYTES["q8_0"])  # [G, 16, KB, 34]
+    d = g[..., 0:2].permute(0, 2, 1, 3)  # [G, KB, 16, 2]
+    q = g[..., 2:].permute(0, 2, 3, 1)  # [G, KB, 32 (weight k), 16 (output i)]
+    return torch.cat([d.flatten(2), q.flatten(2)], dim=-1).contiguous()  # [G, KB, 544]
+
+
+def q8_0_from_panels(panels: torch.Tensor) -> torch.Tensor:
+    """`q8_0_panels`'s inverse: panels uint8 [N / 16, K / 32, 544] -> blocks uint8 [N, K / 32, 34]."""
+    groups, per_row, _ = panels.shape
+    d = panels[..., 0:32].view(groups, per_row, PANEL_OUTPUTS, 2)  # [G, KB, 16, 2]
+    q = panels[..., 32:].reshape(groups, per_row, 32, PANEL_OUTPUTS).transpose(2, 3)  # [G, KB, 16 (i), 32 (k)]
+    blocks = torch.cat([d, q], dim=-1)  # [G, KB, 16, 34]
+    return blocks.permute(0, 2, 1, 3).reshape(groups * PANEL_OUTPUTS, per_row, BLOCK_BYTES["q8_0"]).contiguous()
+
+
+PANELS = {"q4_1": ("q4_1_panels", q4_1_panels), "q8_0": ("q8_0_panels", q8_0_panels)}  # block format -> panels'
+FROM_PANELS = {"q4_1_panels": ("q4_1", q4_1_from_panels), "q8_0_panels": ("q8_0", q8_0_from_panels)}
 
 
 def unpermute_rope_rows(blocks: torch.Tensor, head_dim: int) -> torch.Tensor:

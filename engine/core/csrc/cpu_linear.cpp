@@ -21,16 +21,19 @@
 // converted to (the loader checks that before it hands blocks over), and the summation is the same,
 // so the outputs are the float32 kernel's, bit for bit, from 6.4x (Q4_1) fewer bytes of weights.
 //
-// With AVX-512, Q4_1 weights whose N is a multiple of 16 are read from panels instead (`kQ4_1Panels`,
-// made once by engine/models/gguf_blocks.py `q4_1_panels`): the same blocks regrouped so that one
-// 16-byte load holds weight j and j + 16 of 16 outputs side by side. The product is then an outer one:
-// per k, 16 outputs' weights are de-quantised once into a register (d * q, then + m, as above) and
-// multiplied by a broadcast x[r][k] of each of up to 13 rows, into one accumulator per row. No
-// horizontal sums and no scratch: at 13 rows the 210 layer GEMMs of the default model ran 1.48x
-// (Xeon) and 1.49x (Zen 4) faster than the dot-product tiles (BENCHMARKS.md section 21). Each output
-// is one FMA chain over k in a fixed order (per block j, j + 16 for j = 0..15 into the block's sum, then the blocks' sums in
-// turn), whatever M and the row tiling, so a row's result still does not depend on its batch; its
-// bits differ from the float32 kernel's (another summation order).
+// With AVX-512, Q4_1 and Q8_0 weights whose N is a multiple of 16 are read from panels instead
+// (`kQ4_1Panels`, `kQ8_0Panels`, made once by engine/models/gguf_blocks.py `q4_1_panels` /
+// `q8_0_panels`): the same blocks regrouped so that one 16-byte load holds 16 outputs' weight k side
+// by side (Q4_1: weights j and j + 16 in the two nibbles). The product is then an outer one: per k,
+// 16 outputs' weights are de-quantised once into a register and multiplied by a broadcast x[r][k] of
+// each of up to 13 rows, into one accumulator per row. No horizontal sums and no scratch: at 13 rows
+// the 210 layer GEMMs of the default model ran 1.48x (Xeon) and 1.49x (Zen 4) faster than the
+// dot-product tiles (BENCHMARKS.md section 21), and the Q8_0 lm_head ~1.5x (section 29). A de-quantised
+// weight is exactly gguf-py's: d (fp16) times q (4 or 8 bits) is exact in float32, so Q4_1's d * q + m
+// rounds once whether fused or not. Each output is one FMA chain over k in a fixed order (per block:
+// Q4_1 j, j + 16 for j = 0..15, Q8_0 k = 0..31, into the block's sum; then the blocks' sums in turn),
+// whatever M and the row tiling, so a row's result still does not depend on its batch; its bits
+// differ from the float32 kernel's (another summation order).
 // Not here: any other dtype (bfloat16/int8 draft GEMMs live in engine/spec/draft/gemms.py), many-row
 // GEMMs (prefill chunks keep torch's), weights that are not contiguous.
 
@@ -140,15 +143,20 @@ inline void rows_against(const float* x, const float* wn, const float* bn, float
 
 // How a weight is read: its float32 copy, or GGUF blocks of 32 weights along K (ids shared with
 // engine/core/linear.py).
-// kQ4_1Panels: Q4_1 regrouped by 16 outputs (see the header).
-enum WeightFormat : int64_t { kFloat32 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_1Panels = 3 };
+// kQ4_1Panels, kQ8_0Panels: Q4_1 and Q8_0 regrouped by 16 outputs (see the header).
+enum WeightFormat : int64_t { kFloat32 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_1Panels = 3, kQ8_0Panels = 4 };
 constexpr int64_t kBlock = 32;  // weights per GGUF block
-// A panel block: 16 outputs x 32 weights along K as 16 fp16 d, 16 fp16 m, then 16 rows j of 16 bytes:
-// byte i of row j holds output i's weight j (low nibble) and weight j + 16 (high nibble).
+// A Q4_1 panel block: 16 outputs x 32 weights along K as 16 fp16 d, 16 fp16 m, then 16 rows j of 16
+// bytes: byte i of row j holds output i's weight j (low nibble) and weight j + 16 (high nibble).
+// A Q8_0 panel block: 16 fp16 d, then 32 rows k of 16 int8: byte i of row k is output i's weight k.
 constexpr int64_t kPanelOutputs = 16, kPanelBlockBytes = 16 * 2 + 16 * 2 + 16 * 16;
+constexpr int64_t kQ8PanelBlockBytes = 16 * 2 + 32 * 16;
+
+inline bool is_panels(int64_t format) { return format == kQ4_1Panels || format == kQ8_0Panels; }
 
 inline int64_t block_bytes(int64_t format) {  // Q4_1: fp16 d, fp16 m, 16 bytes of nibbles; Q8_0: fp16 d, 32 int8
-  return format == kQ4_1 ? 20 : format == kQ8_0 ? 34 : format == kQ4_1Panels ? kPanelBlockBytes / kPanelOutputs : 0;
+  return format == kQ4_1 ? 20 : format == kQ8_0 ? 34 : format == kQ4_1Panels ? kPanelBlockBytes / kPanelOutputs
+       : format == kQ8_0Panels ? kQ8PanelBlockBytes / kPanelOutputs : 0;
 }
 
 #if defined(MAGICDEC_SMALL_LINEAR) && defined(__F16C__)
@@ -209,7 +217,7 @@ inline void dequantise(const uint8_t* blocks, int64_t format, int64_t rows, int6
 #endif  // MAGICDEC_SMALL_LINEAR && __F16C__
 
 #if defined(MAGICDEC_GGUF_BLOCKS) && defined(MAGICDEC_AVX512)
-#define MAGICDEC_Q4_1_PANELS 1
+#define MAGICDEC_PANELS 1
 constexpr int kMaxPanelRows = 13;  // 2 R accumulators + d, m, two weight vectors, the nibbles: 32 registers
 
 // out[r][0..15] = x[r] . the panel's 16 weight rows (+ bias) for R rows of x [R, K] (rows K apart).
@@ -217,8 +225,8 @@ constexpr int kMaxPanelRows = 13;  // 2 R accumulators + d, m, two weight vector
 // summed on their own (one FMA chain) and then added to the row's total: a chain of 32 and one of
 // K / 32 rather than one of K, about as accurate as the dot-product tiles' 16 lanes.
 template <int R>
-void panel_rows(const float* __restrict x, int64_t K, const uint8_t* __restrict panel, const float* bias,
-                float* __restrict out, int64_t ldo) {
+void q4_1_panel_rows(const float* __restrict x, int64_t K, const uint8_t* __restrict panel, const float* bias,
+                     float* __restrict out, int64_t ldo) {
   __m512 total[R], part[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   const __m128i low_nibbles = _mm_set1_epi8(0x0F);
@@ -231,10 +239,9 @@ void panel_rows(const float* __restrict x, int64_t K, const uint8_t* __restrict 
     for (int j = 0; j < 16; ++j) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + 64 + 16 * j));
       const __m128i q_low = _mm_and_si128(bytes, low_nibbles), q_high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-      __m512 p_low = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_low)));
-      __m512 p_high = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_high)));
-      asm("" : "+v"(p_low), "+v"(p_high));  // two roundings, as gguf-py: no fused d * q + m
-      const __m512 w_low = _mm512_add_ps(p_low, m), w_high = _mm512_add_ps(p_high, m);  // weights j, j + 16
+      // d * q is exact (11 x 4 significant bits), so the fused d * q + m rounds as gguf-py's two steps
+      const __m512 w_low = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_low)), m);  // weights j
+      const __m512 w_high = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_high)), m);  // j + 16
       for (int r = 0; r < R; ++r)
         part[r] = j == 0 ? _mm512_mul_ps(_mm512_set1_ps(xb[r * K]), w_low)
                          : _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + j]), w_low, part[r]);
@@ -246,33 +253,62 @@ void panel_rows(const float* __restrict x, int64_t K, const uint8_t* __restrict 
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, bias != nullptr ? _mm512_add_ps(total[r], bv) : total[r]);
 }
 
+// q4_1_panel_rows for Q8_0 panels: the weights d * q (exact), k = 0..31 in turn.
+template <int R>
+void q8_0_panel_rows(const float* __restrict x, int64_t K, const uint8_t* __restrict panel, const float* bias,
+                     float* __restrict out, int64_t ldo) {
+  __m512 total[R], part[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / kBlock; ++b, panel += kQ8PanelBlockBytes) {
+    for (int64_t line = 0; line < kQ8PanelBlockBytes; line += 64)  // two blocks ahead
+      _mm_prefetch(reinterpret_cast<const char*>(panel + 2 * kQ8PanelBlockBytes + line), _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel)));  // [16]
+    const float* xb = x + b * kBlock;
+    for (int k = 0; k < kBlock; ++k) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + 32 + 16 * k));
+      const __m512 w = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));  // weight k of 16 outputs
+      for (int r = 0; r < R; ++r)
+        part[r] = k == 0 ? _mm512_mul_ps(_mm512_set1_ps(xb[r * K]), w)
+                         : _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + k]), w, part[r]);
+    }
+    for (int r = 0; r < R; ++r) total[r] = _mm512_add_ps(total[r], part[r]);
+  }
+  const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, bias != nullptr ? _mm512_add_ps(total[r], bv) : total[r]);
+}
+
 using PanelRows = void (*)(const float*, int64_t, const uint8_t*, const float*, float*, int64_t);
 template <int... R>
-constexpr std::array<PanelRows, sizeof...(R) + 1> panel_table(std::integer_sequence<int, R...>) {
-  return {nullptr, &panel_rows<R + 1>...};
+constexpr std::array<PanelRows, sizeof...(R) + 1> q4_1_table(std::integer_sequence<int, R...>) {
+  return {nullptr, &q4_1_panel_rows<R + 1>...};
 }
-constexpr auto kPanelRows = panel_table(std::make_integer_sequence<int, kMaxPanelRows>{});  // [R] -> R rows
+template <int... R>
+constexpr std::array<PanelRows, sizeof...(R) + 1> q8_0_table(std::integer_sequence<int, R...>) {
+  return {nullptr, &q8_0_panel_rows<R + 1>...};
+}
+constexpr auto kQ4_1PanelRows = q4_1_table(std::make_integer_sequence<int, kMaxPanelRows>{});  // [R] -> R rows
+constexpr auto kQ8_0PanelRows = q8_0_table(std::make_integer_sequence<int, kMaxPanelRows>{});
 
 // The parts read from panels: tasks of 16 outputs, each over all M rows in near-equal tiles of at
 // most kMaxPanelRows (13 rows: one tile; 16: 8 + 8; 26: 13 + 13).
 void panel_linear(const float* x, int64_t M, int64_t K, const std::vector<const uint8_t*>& panels,
-                  const std::vector<const float*>& biases, const std::vector<int64_t>& widths,
-                  const std::vector<int64_t>& columns, int64_t N, float* out) {
+                  const std::vector<int64_t>& formats, const std::vector<const float*>& biases,
+                  const std::vector<int64_t>& widths, const std::vector<int64_t>& columns, int64_t N, float* out) {
   const int64_t parts = static_cast<int64_t>(panels.size());
   std::vector<int64_t> first_task(parts + 1, 0);
   for (int64_t i = 0; i < parts; ++i) first_task[i + 1] = first_task[i] + widths[i] / kPanelOutputs;
   const int64_t tiles = (M + kMaxPanelRows - 1) / kMaxPanelRows;
-  const int64_t panel_bytes = (K / kBlock) * kPanelBlockBytes;
   at::parallel_for(0, first_task[parts], 1, [&](int64_t first, int64_t last) {
     int64_t i = 0;
     for (int64_t t = first; t < last; ++t) {
       while (t >= first_task[i + 1]) ++i;
       const int64_t g = t - first_task[i], n = g * kPanelOutputs;
-      const uint8_t* panel = panels[i] + g * panel_bytes;
+      const bool q8 = formats[i] == kQ8_0Panels;
+      const uint8_t* panel = panels[i] + g * (K / kBlock) * (q8 ? kQ8PanelBlockBytes : kPanelBlockBytes);
       const float* bn = biases[i] != nullptr ? biases[i] + n : nullptr;
       for (int64_t tile = 0, m = 0; tile < tiles; ++tile) {
         const int64_t rows = (M - m) / (tiles - tile);
-        kPanelRows[rows](x + m * K, K, panel, bn, out + m * N + columns[i] + n, N);
+        (q8 ? kQ8_0PanelRows : kQ4_1PanelRows)[rows](x + m * K, K, panel, bn, out + m * N + columns[i] + n, N);
         m += rows;
       }
     }
@@ -300,8 +336,8 @@ bool reads_format(int64_t format) {
 #ifdef MAGICDEC_GGUF_BLOCKS
   if (format == kQ4_1 || format == kQ8_0) return true;
 #endif
-#ifdef MAGICDEC_Q4_1_PANELS
-  if (format == kQ4_1Panels) return true;
+#ifdef MAGICDEC_PANELS
+  if (is_panels(format)) return true;
 #endif
   return false;
 }
@@ -309,7 +345,7 @@ bool reads_format(int64_t format) {
 // The weight formats small_linear_cat reads here (ids of WeightFormat).
 std::vector<int64_t> small_linear_formats() {
   std::vector<int64_t> formats;
-  for (int64_t format : {kFloat32, kQ4_1, kQ8_0, kQ4_1Panels})
+  for (int64_t format : {kFloat32, kQ4_1, kQ8_0, kQ4_1Panels, kQ8_0Panels})
     if (reads_format(format)) formats.push_back(format);
   return formats;
 }
@@ -317,7 +353,7 @@ std::vector<int64_t> small_linear_formats() {
 // x: [M, K] float32 contiguous; weights[i]: [N_i, K] float32 contiguous; biases[i]: [N_i] or none;
 // formats[i] (optional, default float32) and blocks[i]: weight i read from its GGUF blocks instead,
 // uint8 [N_i, K / 32, block bytes] that de-quantise to exactly weights[i] (K a multiple of 32); for
-// kQ4_1Panels uint8 [N_i / 16, K / 32, 320] (N_i a multiple of 16).
+// kQ4_1Panels uint8 [N_i / 16, K / 32, 320], kQ8_0Panels [N_i / 16, K / 32, 544] (N_i a multiple of 16).
 // Returns [M, sum N_i]: every weight's outputs side by side (a fused q|k|v or gate|up projection from
 // the model's own separate weights, with no concatenated copy), in one pass of the threads.
 torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weights,
@@ -351,12 +387,12 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
       TORCH_CHECK(K % kBlock == 0 && q.dtype() == torch::kUInt8 && q.is_contiguous() &&
                       q.numel() == w.size(0) * (K / kBlock) * block_bytes(fmts[i]),
                   "blocks: uint8 [N, K / 32, block bytes], contiguous");
-      TORCH_CHECK(fmts[i] != kQ4_1Panels || w.size(0) % kPanelOutputs == 0, "Q4_1 panels: N a multiple of 16");
+      TORCH_CHECK(!is_panels(fmts[i]) || w.size(0) % kPanelOutputs == 0, "panels: N a multiple of 16");
       blockps[i] = q.data_ptr<uint8_t>();
     }
     columns[i + 1] = columns[i] + widths[i];
 #ifdef MAGICDEC_SMALL_LINEAR
-    const int64_t tiled = fmts[i] == kQ4_1Panels ? 0 : widths[i];  // panels are multiplied apart
+    const int64_t tiled = is_panels(fmts[i]) ? 0 : widths[i];  // panels are multiplied apart
     first_tile[i + 1] = first_tile[i] + (tiled + kTileOutputs - 1) / kTileOutputs;
 #endif
   }
@@ -365,17 +401,17 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-#ifdef MAGICDEC_Q4_1_PANELS
+#ifdef MAGICDEC_PANELS
   {  // the parts in panels first (each output is computed the same way whatever shares the call)
     std::vector<const uint8_t*> panels;
     std::vector<const float*> panel_biases;
-    std::vector<int64_t> panel_widths, panel_columns;
+    std::vector<int64_t> panel_formats, panel_widths, panel_columns;
     for (int64_t i = 0; i < parts; ++i)
-      if (fmts[i] == kQ4_1Panels) {
-        panels.push_back(blockps[i]), panel_biases.push_back(bps[i]);
+      if (is_panels(fmts[i])) {
+        panels.push_back(blockps[i]), panel_formats.push_back(fmts[i]), panel_biases.push_back(bps[i]);
         panel_widths.push_back(widths[i]), panel_columns.push_back(columns[i]);
       }
-    if (!panels.empty()) panel_linear(xp, M, K, panels, panel_biases, panel_widths, panel_columns, N, op);
+    if (!panels.empty()) panel_linear(xp, M, K, panels, panel_formats, panel_biases, panel_widths, panel_columns, N, op);
     if (first_tile[parts] == 0) return out;
   }
 #endif
