@@ -291,3 +291,7 @@ def test_recipe_keys_are_validated():
         with pytest.raises(JobError, match="draft.floor"):
             recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "floor": bad}})
     assert recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "floor": 0}}).draft.floor == 0
+    for bad in (0, -2, 1.5):
+        with pytest.raises(JobError, match="draft.reselect_every"):
+            recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "reselect_every": bad}})
+    assert recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "reselect_every": 4}}).draft.reselect_every == 4

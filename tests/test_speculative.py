@@ -121,6 +121,30 @@ def test_greedy_speculation_is_lossless(setup, cuts, monkeypatch, method, draft_
             assert 0 < compressor.changed_entries < compressor.selected_entries
 
 
+@pytest.mark.parametrize("draft_kind", ["self", "separate"])
+def test_guided_reselecting_every_few_rounds_is_lossless(setup, monkeypatch, draft_kind):
+    """draft.reselect_every 3: the full-cache forward returns its mass (and the view is chosen again)
+    on the first speculative round and every third after it, never between; the output is plain's."""
+    loaded, prompts, eos = setup
+    loaded.eos_token_ids = (eos,)
+    plain = run(build_engine(recipe("none"), loaded), prompts)
+    draft = noisy_copy(loaded, 0.005) if draft_kind == "separate" else None
+    config = recipe("guided").to_dict()
+    config["draft"]["reselect_every"] = 3
+    engine = build_engine(recipe_from_dict(config), loaded, draft)
+    compressor = engine.decoder.compressor
+    observed_at = []  # the speculative round (counted from 0) of every re-selection
+    observe = compressor.observe_mass
+
+    def counted(*args, **kwargs):
+        observed_at.append(compressor.spec_rounds - 1)
+        observe(*args, **kwargs)
+
+    monkeypatch.setattr(compressor, "observe_mass", counted)
+    assert run(engine, prompts) == plain
+    assert compressor.spec_rounds > 6 and observed_at == list(range(0, compressor.spec_rounds, 3))
+
+
 def test_speculation_with_fixed_gamma_one_and_auto(setup):
     loaded, prompts, eos = setup
     loaded.eos_token_ids = (eos,)

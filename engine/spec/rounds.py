@@ -55,16 +55,21 @@ class RoundRunner:
         pending = torch.tensor([s.pending_token for s in seqs], dtype=torch.long, device=device)  # [B]
         sampling = BatchSampling.of(seqs, device)
 
+        # A guided draft re-selects its view from the attention mass of this round's full-cache forward
+        # (speculative rounds only: a plain round's view would not be read before the next selection
+        # anyway), every round or every few (`draft.reselect_every`).
+        observes = bool(gamma) and self.compressor is not None and self.compressor.wants_mass \
+            and self.compressor.observes_round()
         t0 = time.perf_counter()
-        drafts, draft_probs = self._draft(seqs, slots, lengths, pending, gamma, sampling) if gamma else ([], [])
+        drafts, draft_probs = ([], [])
+        if gamma:
+            drafts, draft_probs = self._draft(seqs, slots, lengths, pending, gamma, sampling, observes)
         self._wait(device)
         t1 = time.perf_counter()
 
         tokens = torch.stack([pending, *drafts], dim=1)  # [B, gamma + 1]
-        # A guided self-draft re-selects its view from this forward's attention mass (speculative
-        # rounds only: a plain round's view would not be read before the next selection anyway).
         mass = None
-        if gamma and self.self_speculation and self.compressor.wants_mass:
+        if observes and self.self_speculation:  # the target's verification is the full-cache forward
             mass = self.compressor.new_mass(len(seqs), max(lengths) + gamma + 1)  # [layers, B, kv_heads, N]
         batch = ForwardBatch(cache, slots, lengths, gamma + 1, mass=mass)
         logits = self.target.forward(tokens, batch)  # [B, gamma + 1, vocab]
@@ -116,8 +121,9 @@ class RoundRunner:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def _draft(self, seqs, slots, lengths, pending, gamma, sampling: BatchSampling):
-        """gamma draft tokens per row: lists of [B] tokens and (when sampling) [B, vocab] probs."""
+    def _draft(self, seqs, slots, lengths, pending, gamma, sampling: BatchSampling, observes: bool):
+        """gamma draft tokens per row: lists of [B] tokens and (when sampling) [B, vocab] probs.
+        observes: a guided separate draft's first forward reads its whole cache and re-selects."""
         assert self.draft is not None and self.compressor is not None, "speculation needs a draft"
         device = pending.device
         if self.self_speculation:
@@ -131,7 +137,7 @@ class RoundRunner:
         for step in range(gamma):
             width = current.shape[1]
             ends = [s + width for s in starts]
-            if step == 0 and not self.self_speculation and self.compressor.wants_mass:
+            if step == 0 and not self.self_speculation and observes:
                 # A guided separate draft: its first forward of the round (the newest committed token
                 # and the pending one) reads its whole cache, and the view it reads next comes from
                 # that forward's attention mass.

@@ -112,6 +112,11 @@ class Compressor(ABC):
         if self.compact is not None:
             self.compact.release(slot)
 
+    def observes_round(self) -> bool:
+        """(`wants_mass` methods) asked once per speculative round, before its full-cache forward:
+        whether that forward should return its attention mass for a re-selection."""
+        return self.wants_mass
+
     def new_mass(self, rows: int, positions: int) -> torch.Tensor:
         """(`wants_mass` methods) a buffer for `ForwardBatch.mass`: [layers, rows, kv_heads, positions]."""
         raise NotImplementedError

@@ -16,6 +16,11 @@ After each round, per row, layer and KV head, this view keeps:
   code prompts at gamma 3, budget 512: per-token acceptance 0.913 by score alone, 0.934 with floor 1,
   StreamingLLM 0.923; BENCHMARKS.md section 28). floor 0 ranks by score alone.
 
+With `draft.reselect_every` k > 1 the view is chosen after every k-th speculative round only (the
+verification of the rounds between returns no mass, and their drafts read the kept part as it was,
+with the newest positions sliding as for SnapKV): the selection's cost and the mass's share of
+verification are paid once per k rounds, against a view up to k rounds old.
+
 The score is the round's mass divided by the number of queries (group heads x tokens), so rounds of
 different gamma weigh alike; with `draft.smoothing` s > 0 it is s x the previous score + (1 - s) x
 this round's (positions past the committed length, rejected drafts, start again from 0). At prefill
@@ -71,6 +76,7 @@ class Guided(Compressor):
                                       device=cache.device)
         # [layers, slots, kv_heads]: each task's last selection threshold, the C++ op's starting pivot
         self.threshold = torch.zeros(layers, slots, kv_heads, dtype=torch.float32, device=cache.device)
+        self.spec_rounds = 0  # speculative rounds so far (re-selection after every `reselect_every`-th)
         self.changed_entries = 0  # kept entries refilled from the cache (with a compact store), for the record
         self.selected_entries = 0  # kept entries chosen by the re-selections after rounds (prefill excluded)
 
@@ -105,6 +111,13 @@ class Guided(Compressor):
         if self.compact is not None:
             count = int(self.kept_count[slot])
             self.compact.fill(slot, self.kept[:, slot, :, :count], int(self.kept_end[slot]), prompt_len)
+
+    def observes_round(self) -> bool:
+        """Whether this speculative round's full-cache forward returns its mass: every
+        `reselect_every`-th round, the first one included."""
+        due = self.spec_rounds % self.config.reselect_every == 0
+        self.spec_rounds += 1
+        return due
 
     def new_mass(self, rows: int, positions: int) -> torch.Tensor:
         """A buffer for one forward's attention mass: [layers, rows, kv_heads, positions] (written in full)."""
