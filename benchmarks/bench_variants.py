@@ -48,14 +48,14 @@ def main() -> None:
     parser.add_argument("--gamma", default="auto", help="comma-separated ints and/or auto")
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--context", type=int, default=3328)
-    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--budget", default="512", help="comma-separated ints")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     gammas = tuple(g if g == "auto" else int(g) for g in args.gamma.split(","))
     spec = BenchSpec(batches=(args.batch,), contexts=(args.context,), methods=("none", *args.methods.split()),
-                     budgets=(args.budget,), gammas=gammas, new_tokens=args.new_tokens, prompts=args.prompts,
+                     budgets=tuple(int(b) for b in args.budget.split(",")), gammas=gammas, new_tokens=args.new_tokens, prompts=args.prompts,
                      hf=False)
     try:
         result = VariantBench(spec).run()

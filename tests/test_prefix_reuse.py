@@ -152,6 +152,19 @@ def test_greedy_output_is_the_same_with_and_without_reuse(tiny_pair, method, dra
         assert on.decoder.prefill_targets[1].store.stats.tokens_reused > 0
 
 
+def test_rows_sharing_a_header_compute_each_document_once(tiny_pair):
+    """Every row starts with the same 2-block header (a chat template's) and then its document: once
+    the store holds the header, a document's rows must still wait for the wave after its first row's,
+    not compute the document side by side with it (8 slots: a wave has room for them)."""
+    loaded, _ = tiny_pair
+    header = [3 + (7 * i) % 497 for i in range(2 * BLOCK)]
+    prompts = [header + p for p in documents_and_questions(seed=8)]
+    off = build_engine(recipe("none", reuse=False, size=8), loaded)
+    on = build_engine(recipe("none", reuse=True, size=8), loaded)
+    assert generate(on, prompts) == generate(off, prompts)
+    assert on.stats.prefill_tokens_reused == ideal_reuse(prompts)
+
+
 def test_seeded_sampling_is_the_same_with_and_without_reuse(tiny_pair):
     loaded, _ = tiny_pair
     prompts = documents_and_questions(seed=6)

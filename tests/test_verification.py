@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.sampling import sample_rows, uniform_rows
+from engine.core.sampling import greedy_tokens, sample_rows, uniform_rows
 from engine.spec.verification import verify_greedy, verify_sampling
 
 V = 6
@@ -33,6 +33,18 @@ def test_greedy_early_mismatch_emits_the_targets_token():
 def test_greedy_with_no_drafts_is_plain_decoding():
     accepted, nxt = verify_greedy(one_hot_logits([[4], [0]]), torch.zeros(2, 0, dtype=torch.long))
     assert accepted.tolist() == [0, 0] and nxt.tolist() == [4, 0]
+
+
+def test_greedy_tokens_are_torchs_argmax_ties_included():
+    """Random logits of a decode step [B, V] and of a verification [B, T, V], and rows whose maximum
+    appears several times (the first index wins, as `argmax` has it)."""
+    g = torch.Generator().manual_seed(3)
+    for shape in ((16, 4099), (5, 4, 4099)):
+        logits = torch.randn(*shape, generator=g)
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+        tied = torch.randint(0, 3, shape, generator=g).float()  # maxima repeated at many places
+        assert torch.equal(greedy_tokens(tied), tied.argmax(dim=-1))
+        assert (greedy_tokens(tied) == (tied == tied.amax(dim=-1, keepdim=True)).int().argmax(dim=-1)).all()
 
 
 def test_sampling_accepts_everything_when_draft_equals_target():

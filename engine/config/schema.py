@@ -67,7 +67,7 @@ class BatchConfig:
     lookahead: int = 256  # rows read ahead and ordered (shared prefixes together, else longest first)
     prefix_reuse: bool = True  # reuse the K/V of a prompt prefix shared with earlier rows
     prefix_cache: int = 32768  # tokens of prefix K/V kept for reuse (per model; LRU beyond it)
-    prefix_block: int = 64  # tokens per matched block
+    prefix_block: int = 32  # tokens per matched block (BENCHMARKS.md section 29: 32 against 64 and 16)
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,9 @@ def _packs(rows: list[RowPrefill], chunk: int):
         yield pack
 
 
-def shares_a_prefix(a: list[int], b: list[int], block: int) -> bool:
-    """Whether two prompts start with the same full block (prefill them in different waves)."""
-    return len(a) >= block and len(b) >= block and a[:block] == b[:block]
+def shared_blocks(a: list[int], b: list[int], block: int) -> int:
+    """How many full blocks two prompts start with in common."""
+    count, most = 0, min(len(a), len(b)) // block
+    while count < most and a[count * block:(count + 1) * block] == b[count * block:(count + 1) * block]:
+        count += 1
+    return count

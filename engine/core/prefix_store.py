@@ -103,13 +103,15 @@ class PrefixStore:
             self.blocks.move_to_end(key)
         return [block for _, block in found]
 
-    def holds_start_of(self, ids: list[int]) -> bool:
-        """Whether the first full block of `ids` is stored (without marking it used)."""
-        if len(ids) < self.block:
-            return False
-        tokens = tuple(ids[: self.block])
-        block = self.blocks.get(hash((None, tokens)))
-        return block is not None and block.tokens == tokens
+    def stored_blocks(self, ids: list[int]) -> int:
+        """How many full blocks `ids` starts with are stored (without marking them used)."""
+        count = 0
+        for key, _, tokens in self._chain(ids, len(ids) // self.block):
+            block = self.blocks.get(key)
+            if block is None or block.tokens != tokens:
+                break
+            count += 1
+        return count
 
     def load(self, cache: KVCache, slot: int, blocks: list[_Block], length: int) -> None:
         """Copy the K/V of positions [0, length) (length <= blocks x block) into `slot` of `cache`."""

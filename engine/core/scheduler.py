@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 import torch
 
 from engine.config.schema import Recipe, slot_capacity
-from engine.core.prefill import RowPrefill, SlotListener, prefill_rows, shares_a_prefix
+from engine.core.prefill import RowPrefill, SlotListener, prefill_rows, shared_blocks
 from engine.core.prefix_store import PrefixStore
 from engine.core.runner import ModelRunner
 from engine.core.sampling import ROW_SEED_ONLY, row_generator
@@ -119,17 +119,20 @@ class Scheduler:
     def next_wave(self, waiting: "LookaheadQueue") -> tuple[list[Request], list[Result]]:
         """The requests to admit together into the free slots, and error results for those that cannot run.
 
-        With prefix reuse a wave ends before a row that shares its first block with a row already in
-        it, unless the store already holds that block: that row is prefilled in the next wave, once
-        the first one's prefix is in the store.
+        With prefix reuse a wave ends before a row that shares more full blocks with a row already in
+        it than the store holds of its prompt: that row is prefilled in the next wave, once the first
+        one's prefix is in the store. (Not merely its first block: rows of different documents that
+        all start with one chat-template header would otherwise join a wave once the header is stored,
+        and compute their shared document side by side.)
         """
         wave, errors = [], []
         store = self.decoder.prefill_targets[0].store
         while len(wave) < len(self.free_slots) and waiting:
             request = waiting.peek()
-            if store is not None and any(shares_a_prefix(request.prompt_ids, other.prompt_ids, store.block)
-                                         for other in wave) and not store.holds_start_of(request.prompt_ids):
-                break
+            if store is not None and wave:
+                stored = store.stored_blocks(request.prompt_ids)
+                if any(shared_blocks(request.prompt_ids, other.prompt_ids, store.block) > stored for other in wave):
+                    break
             waiting.pop()
             problem = slot_problem(request, self.max_len)
             if problem:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.sampling import BatchSampling, sample_rows, uniform_rows, warp
+from engine.core.sampling import BatchSampling, greedy_tokens, sample_rows, uniform_rows, warp
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,7 +23,7 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     target_logits: [B, gamma + 1, vocab]; draft_tokens: [B, gamma].
     Returns accepted [B] (0..gamma) and next_token [B].
     """
-    target_tokens = target_logits.argmax(dim=-1)  # [B, gamma + 1]
+    target_tokens = greedy_tokens(target_logits)  # [B, gamma + 1]
     gamma = draft_tokens.shape[1]
     matches = (target_tokens[:, :gamma] == draft_tokens).long()  # [B, gamma]
     accepted = matches.cumprod(dim=1).sum(dim=1)  # [B]
