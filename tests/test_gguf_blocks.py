@@ -17,8 +17,7 @@ from conftest import make_tiny
 from engine.core import linear as engine_linear
 from engine.core.kernels import load as load_kernels
 from engine.models.gguf_blocks import (BLOCK_BYTES, FROM_PANELS, PANELS, PackedWeight, attach_gguf_blocks,
-                                       dequantise, q4_1_from_panels, q4_1_panels, q8_0_from_panels, q8_0_panels,
-                                       unpermute_rope_rows)
+                                       dequantise, q4_1_panels, q8_0_panels, unpermute_rope_rows)
 
 QTYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
@@ -86,32 +85,24 @@ def panel_kernel(kernel):
     return kernel
 
 
-def test_panels_hold_the_blocks_bytes_where_the_kernel_reads_them():
-    """Byte by byte against the layout's definition, and back."""
-    blocks = quantised("q4_1", 32, 64, seed=9)
-    panels = q4_1_panels(blocks)
-    assert panels.shape == (2, 2, 320)
+@pytest.mark.parametrize("block_format", ["q4_1", "q8_0"])
+def test_panels_hold_the_blocks_bytes_where_the_kernel_reads_them(block_format):
+    """Byte by byte against each layout's definition, and back: per 16 outputs and block, output i's
+    fp16 d (then Q4_1's m) at bytes 2i of a 32-byte row, then byte j of its block's weights at row j,
+    column i."""
+    blocks = quantised(block_format, 32, 64, seed=9)
+    panel_format, regroup = PANELS[block_format]
+    panels = regroup(blocks)
+    scales = 4 if block_format == "q4_1" else 2  # bytes of fp16 scales at the start of a block
+    assert panels.shape == (2, 2, 16 * BLOCK_BYTES[block_format])
     for n in range(32):
         g, i = divmod(n, 16)
         for b in range(2):
             block, panel = blocks[n, b], panels[g, b]
-            assert torch.equal(panel[2 * i: 2 * i + 2], block[0:2]) and torch.equal(panel[32 + 2 * i: 34 + 2 * i], block[2:4])
-            assert torch.equal(panel[64 + i::16], block[4:20])  # byte j of the nibbles at row j, column i
-    assert torch.equal(q4_1_from_panels(panels), blocks)
-
-
-def test_q8_0_panels_hold_the_blocks_bytes_where_the_kernel_reads_them():
-    """Byte by byte against the layout's definition, and back."""
-    blocks = quantised("q8_0", 32, 64, seed=9)
-    panels = q8_0_panels(blocks)
-    assert panels.shape == (2, 2, 544)
-    for n in range(32):
-        g, i = divmod(n, 16)
-        for b in range(2):
-            block, panel = blocks[n, b], panels[g, b]
-            assert torch.equal(panel[2 * i: 2 * i + 2], block[0:2])
-            assert torch.equal(panel[32 + i::16], block[2:34])  # weight k at row k, column i
-    assert torch.equal(q8_0_from_panels(panels), blocks)
+            for s in range(0, scales, 2):  # d, then m
+                assert torch.equal(panel[16 * s + 2 * i: 16 * s + 2 * i + 2], block[s:s + 2])
+            assert torch.equal(panel[16 * scales + i::16], block[scales:])
+    assert torch.equal(FROM_PANELS[panel_format][1](panels), blocks)
 
 
 @pytest.mark.parametrize("block_format", ["q4_1", "q8_0"])
