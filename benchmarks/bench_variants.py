@@ -54,9 +54,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     gammas = tuple(g if g == "auto" else int(g) for g in args.gamma.split(","))
+    budgets = tuple(int(b) for b in args.budget.split(","))
     spec = BenchSpec(batches=(args.batch,), contexts=(args.context,), methods=("none", *args.methods.split()),
-                     budgets=tuple(int(b) for b in args.budget.split(",")), gammas=gammas, new_tokens=args.new_tokens, prompts=args.prompts,
-                     hf=False)
+                     budgets=budgets, gammas=gammas, new_tokens=args.new_tokens, prompts=args.prompts, hf=False)
     try:
         result = VariantBench(spec).run()
     except JobError as exc:  # a bad method or draft key: one line, exit 2, as the CLI does

@@ -80,7 +80,8 @@ def test_side_by_side_mixes_float32_and_block_weights(kernel):
 
 @pytest.fixture(scope="module")
 def panel_kernel(kernel):
-    if not {engine_linear.FORMATS["q4_1_panels"], engine_linear.FORMATS["q8_0_panels"]} <= set(kernel.small_linear_formats()):
+    panel_formats = {engine_linear.FORMATS["q4_1_panels"], engine_linear.FORMATS["q8_0_panels"]}
+    if not panel_formats <= set(kernel.small_linear_formats()):
         pytest.skip("the kernel reads Q4_1 and Q8_0 panels only where it is built with AVX-512")
     return kernel
 

@@ -294,4 +294,5 @@ def test_recipe_keys_are_validated():
     for bad in (0, -2, 1.5):
         with pytest.raises(JobError, match="draft.reselect_every"):
             recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "reselect_every": bad}})
-    assert recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "reselect_every": 4}}).draft.reselect_every == 4
+    every = recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "reselect_every": 4}}).draft.reselect_every
+    assert every == 4

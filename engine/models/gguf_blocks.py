@@ -43,7 +43,7 @@ class PackedWeight:
     or for "q4_1_panels" / "q8_0_panels" the same blocks as panels [N / 16, K / 32, 320 / 544]
     (`q4_1_panels`, `q8_0_panels`)."""
 
-    format: str  # a key of BLOCK_BYTES
+    format: str  # a key of BLOCK_BYTES, or its panels' ("q4_1_panels", "q8_0_panels": see PANELS)
     blocks: torch.Tensor
 
 
