@@ -27,7 +27,7 @@ from decode_setup import cpu_model_name
 from engine.core import kernels
 from engine.core.linear import FORMATS
 from engine.core.runner import ModelRunner
-from engine.models.gguf_blocks import FROM_PANELS, PackedWeight
+from engine.models.gguf_blocks import BLOCKS_OF_PANELS, PackedWeight, from_panels
 from engine.models.loading import load_model
 
 
@@ -53,8 +53,8 @@ def main() -> None:
         for name, modules in parts.items():
             calls = [(xs[m.weight.shape[1]], m.weight, m.packed) for m in modules]
             # the same blocks as the dot-product tiles read them (panels regrouped back)
-            dot_calls = [(x, w, PackedWeight(FROM_PANELS[p.format][0], FROM_PANELS[p.format][1](p.blocks))
-                          if p.format in FROM_PANELS else p) for x, w, p in calls]
+            dot_calls = [(x, w, PackedWeight(fmt, from_panels(p.blocks, fmt)) if (fmt := BLOCKS_OF_PANELS.get(p.format))
+                          else p) for x, w, p in calls]
 
             def reading(chosen):
                 return lambda: [kernel.small_linear_cat(x, [w], [None], [p.blocks], [FORMATS[p.format]])
@@ -64,7 +64,7 @@ def main() -> None:
                 return [kernel.small_linear(x, w, None) for x, w, _ in calls]
 
             timed = {"float32": from_float32, "blocks": reading(dot_calls)}
-            if any(p.format in FROM_PANELS for _, _, p in calls):
+            if any(p.format in BLOCKS_OF_PANELS for _, _, p in calls):
                 timed["panels"] = reading(calls)
             reference = from_float32()
             assert all(torch.equal(a, b) for a, b in zip(timed["blocks"](), reference)), name

@@ -16,8 +16,8 @@ import torch
 from conftest import make_tiny
 from engine.core import linear as engine_linear
 from engine.core.kernels import load as load_kernels
-from engine.models.gguf_blocks import (BLOCK_BYTES, FROM_PANELS, PANELS, PackedWeight, attach_gguf_blocks,
-                                       dequantise, q4_1_panels, q8_0_panels, unpermute_rope_rows)
+from engine.models.gguf_blocks import (BLOCK_BYTES, BLOCKS_OF_PANELS, PANEL_FORMATS, PackedWeight,
+                                       attach_gguf_blocks, dequantise, from_panels, to_panels, unpermute_rope_rows)
 
 QTYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
@@ -92,8 +92,7 @@ def test_panels_hold_the_blocks_bytes_where_the_kernel_reads_them(block_format):
     fp16 d (then Q4_1's m) at bytes 2i of a 32-byte row, then byte j of its block's weights at row j,
     column i."""
     blocks = quantised(block_format, 32, 64, seed=9)
-    panel_format, regroup = PANELS[block_format]
-    panels = regroup(blocks)
+    panels = to_panels(blocks, block_format)
     scales = 4 if block_format == "q4_1" else 2  # bytes of fp16 scales at the start of a block
     assert panels.shape == (2, 2, 16 * BLOCK_BYTES[block_format])
     for n in range(32):
@@ -103,7 +102,7 @@ def test_panels_hold_the_blocks_bytes_where_the_kernel_reads_them(block_format):
             for s in range(0, scales, 2):  # d, then m
                 assert torch.equal(panel[16 * s + 2 * i: 16 * s + 2 * i + 2], block[s:s + 2])
             assert torch.equal(panel[16 * scales + i::16], block[scales:])
-    assert torch.equal(FROM_PANELS[panel_format][1](panels), blocks)
+    assert torch.equal(from_panels(panels, block_format), blocks)
 
 
 @pytest.mark.parametrize("block_format", ["q4_1", "q8_0"])
@@ -113,11 +112,10 @@ def test_panels_give_the_product_and_a_rows_bits_do_not_depend_on_its_batch(pane
     """Against float64 (each output's error within float32 rounding of its terms' magnitudes); each
     row alone, and the rows in reverse order, give the very same bits as in the whole batch."""
     blocks = quantised(block_format, N, K, seed=M + K)
-    panel_format, regroup = PANELS[block_format]
-    weight, panels = dequantise(blocks, block_format), regroup(blocks)
+    weight, panels = dequantise(blocks, block_format), to_panels(blocks, block_format)
     g = torch.Generator().manual_seed(M)
     x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
-    fmt = engine_linear.FORMATS[panel_format]
+    fmt = engine_linear.FORMATS[PANEL_FORMATS[block_format]]
     for b in (None, bias):
         got = panel_kernel.small_linear_cat(x, [weight], [b], [panels], [fmt])
         want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
@@ -137,8 +135,8 @@ def test_panels_side_by_side_with_other_formats_keep_each_parts_bits(panel_kerne
     q8p = quantised("q8_0", 48, 128, seed=13)
     plain = torch.randn(24, 128, generator=g)
     weights = [dequantise(q4a, "q4_1"), plain, dequantise(q4b, "q4_1"), dequantise(q8, "q8_0"), dequantise(q8p, "q8_0")]
-    packed = [PackedWeight("q4_1_panels", q4_1_panels(q4a)), None, PackedWeight("q4_1", q4b), PackedWeight("q8_0", q8),
-              PackedWeight("q8_0_panels", q8_0_panels(q8p))]
+    packed = [PackedWeight("q4_1_panels", to_panels(q4a, "q4_1")), None, PackedWeight("q4_1", q4b),
+              PackedWeight("q8_0", q8), PackedWeight("q8_0_panels", to_panels(q8p, "q8_0"))]
     got = engine_linear.linear_cat(x, weights, [None] * 5, packed)
     assert torch.equal(got, torch.cat([engine_linear.linear(x, w, None, p) for w, p in zip(weights, packed)], dim=1))
 
@@ -172,9 +170,9 @@ def test_the_default_models_linears_get_blocks_that_are_their_weights(real_model
     assert model.lm_head.packed is not None and model.lm_head.packed.format == ("q8_0_panels" if panels else "q8_0")
     for module in [*layers, model.lm_head]:
         blocks, fmt = module.packed.blocks, module.packed.format
-        if fmt in FROM_PANELS:
-            fmt, regroup_back = FROM_PANELS[fmt]
-            blocks = regroup_back(blocks)
+        if fmt in BLOCKS_OF_PANELS:
+            fmt = BLOCKS_OF_PANELS[fmt]
+            blocks = from_panels(blocks, fmt)
         assert torch.equal(dequantise(blocks, fmt), module.weight)
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core import kernels as cpu_kernels
-from engine.models.gguf_blocks import PANEL_OUTPUTS, PANELS, PackedWeight, attach_gguf_blocks
+from engine.models.gguf_blocks import PANEL_FORMATS, PANEL_OUTPUTS, PackedWeight, attach_gguf_blocks, to_panels
 from engine.models.loading import GgufSource
 
 MAX_ROWS = 128  # AVX2: above this torch's GEMM is as fast (BENCHMARKS.md section 12)
@@ -210,10 +210,9 @@ def keep_gguf_blocks(model: torch.nn.Module, source: GgufSource | None) -> int:
         attach_gguf_blocks(model, source.file, source.folder)
         for module in linears:
             packed = getattr(module, "packed", None)
-            if packed is not None and packed.format in PANELS and packed.blocks.shape[0] % PANEL_OUTPUTS == 0:
-                panels, regroup = PANELS[packed.format]
-                if panels in _blocks_read():
-                    module.packed = PackedWeight(panels, regroup(packed.blocks))
+            panels = PANEL_FORMATS.get(packed.format) if packed is not None else None
+            if panels in _blocks_read() and packed.blocks.shape[0] % PANEL_OUTPUTS == 0:
+                module.packed = PackedWeight(panels, to_panels(packed.blocks, packed.format))
     return sum(getattr(m, "packed", None) is not None for m in linears)
 
 

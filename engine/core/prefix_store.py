@@ -91,27 +91,26 @@ class PrefixStore:
             yield key, parent, tokens
             parent = key
 
-    def match(self, ids: list[int]) -> list[_Block]:
-        """The stored blocks that `ids` starts with, in order (marked as just used)."""
+    def _stored(self, ids: list[int]) -> list[tuple[int, _Block]]:
+        """(chain key, block) of the stored blocks that `ids` starts with, in order (LRU untouched)."""
         found = []
         for key, _, tokens in self._chain(ids, len(ids) // self.block):
             block = self.blocks.get(key)
             if block is None or block.tokens != tokens:
                 break
             found.append((key, block))
+        return found
+
+    def match(self, ids: list[int]) -> list[_Block]:
+        """The stored blocks that `ids` starts with, in order (marked as just used)."""
+        found = self._stored(ids)
         for key, _ in reversed(found):  # the first block ends up the most recently used
             self.blocks.move_to_end(key)
         return [block for _, block in found]
 
     def stored_blocks(self, ids: list[int]) -> int:
         """How many full blocks `ids` starts with are stored (without marking them used)."""
-        count = 0
-        for key, _, tokens in self._chain(ids, len(ids) // self.block):
-            block = self.blocks.get(key)
-            if block is None or block.tokens != tokens:
-                break
-            count += 1
-        return count
+        return len(self._stored(ids))
 
     def load(self, cache: KVCache, slot: int, blocks: list[_Block], length: int) -> None:
         """Copy the K/V of positions [0, length) (length <= blocks x block) into `slot` of `cache`."""

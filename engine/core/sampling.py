@@ -73,8 +73,8 @@ class SampledGroup:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The argmax over the last dimension, the first index among equal maxima, as `argmax` gives it:
-    `max(...).indices` takes 3.4x less time than `argmax` on CPU over a [16, 49152] float32 block
-    (0.20 against 0.69 ms, measured on a 2-vCPU Xeon; a decode step takes it once)."""
+    `max(...).indices` takes ~3x less time than `argmax` on CPU over a decode step's [16, 49152]
+    float32 logits (BENCHMARKS.md section 29a)."""
     return logits.max(dim=-1).indices
 
 

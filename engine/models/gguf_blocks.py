@@ -9,7 +9,7 @@ It keeps only the layers whose blocks de-quantise, in float32 as gguf-py does (Q
 + m; Q8_0: d * q), to exactly the loaded weight. It saves them once beside the converted copy
 (`gguf_blocks.safetensors`) and attaches them to their modules as `module.packed`.
 
-`q4_1_panels` and `q8_0_panels` regroup blocks by 16 outputs, the layout the AVX-512 kernel reads them in.
+`to_panels` regroups Q4_1 and Q8_0 blocks by 16 outputs, the layout the AVX-512 kernel reads them in.
 Not here: the conversion, the kernel, and other block formats (those layers stay float32).
 """
 
@@ -41,9 +41,9 @@ log = logging.getLogger(__name__)
 class PackedWeight:
     """The GGUF blocks a float32 weight [N, K] was de-quantised from: blocks uint8 [N, K / 32, bytes],
     or for "q4_1_panels" / "q8_0_panels" the same blocks as panels [N / 16, K / 32, 320 / 544]
-    (`q4_1_panels`, `q8_0_panels`)."""
+    (`to_panels`)."""
 
-    format: str  # a key of BLOCK_BYTES, or its panels' ("q4_1_panels", "q8_0_panels": see PANELS)
+    format: str  # a key of BLOCK_BYTES, or its panels' (PANEL_FORMATS)
     blocks: torch.Tensor
 
 
@@ -64,51 +64,34 @@ def dequantise(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
 PANEL_OUTPUTS = 16  # outputs per panel
 
 
-def q4_1_panels(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_1 blocks uint8 [N, K / 32, 20] (N a multiple of 16) -> the same bytes as panels uint8
-    [N / 16, K / 32, 320], the AVX-512 kernel's layout (engine/core/csrc/cpu_linear.cpp): per 16
-    outputs and block, their 16 fp16 d, their 16 fp16 m, then for j = 0..15 sixteen bytes, byte i being
-    output i's nibble byte j (weight j low, weight j + 16 high)."""
-    rows, per_row, _ = blocks.shape
-    g = blocks.view(rows // PANEL_OUTPUTS, PANEL_OUTPUTS, per_row, BLOCK_BYTES["q4_1"])  # [G, 16, KB, 20]
-    d = g[..., 0:2].permute(0, 2, 1, 3)  # [G, KB, 16, 2]
-    m = g[..., 2:4].permute(0, 2, 1, 3)
-    nibbles = g[..., 4:].permute(0, 2, 3, 1)  # [G, KB, 16 (byte j), 16 (output i)]
-    return torch.cat([d.flatten(2), m.flatten(2), nibbles.flatten(2)], dim=-1).contiguous()  # [G, KB, 320]
+SCALE_BYTES = {"q4_1": 4, "q8_0": 2}  # a block's fp16 scales before its weight bytes: Q4_1 d and m, Q8_0 d
+PANEL_FORMATS = {"q4_1": "q4_1_panels", "q8_0": "q8_0_panels"}  # block format -> its panels' format
+BLOCKS_OF_PANELS = {panels: fmt for fmt, panels in PANEL_FORMATS.items()}
 
 
-def q4_1_from_panels(panels: torch.Tensor) -> torch.Tensor:
-    """`q4_1_panels`'s inverse: panels uint8 [N / 16, K / 32, 320] -> blocks uint8 [N, K / 32, 20]."""
+def to_panels(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Blocks uint8 [N, K / 32, bytes] of `fmt` (N a multiple of 16) -> the same bytes as panels uint8
+    [N / 16, K / 32, 16 x bytes], the AVX-512 kernel's layout (engine/core/csrc/cpu_linear.cpp): per 16
+    outputs and block, each fp16 scale of the 16 outputs side by side (Q4_1: d, then m; Q8_0: d), then
+    for each weight byte j of a block sixteen bytes, byte i being output i's byte j (Q4_1: j < 16 holds
+    weight j low and weight j + 16 high; Q8_0: j < 32 holds weight j)."""
+    rows, per_row, size = blocks.shape
+    fields = SCALE_BYTES[fmt] // 2
+    g = blocks.view(rows // PANEL_OUTPUTS, PANEL_OUTPUTS, per_row, size)  # [G, 16, KB, bytes]
+    scales = g[..., : 2 * fields].reshape(*g.shape[:3], fields, 2).permute(0, 2, 3, 1, 4)  # [G, KB, fields, 16, 2]
+    weights = g[..., 2 * fields:].permute(0, 2, 3, 1)  # [G, KB, weight bytes, 16]
+    return torch.cat([scales.flatten(2), weights.flatten(2)], dim=-1).contiguous()  # [G, KB, 16 x bytes]
+
+
+def from_panels(panels: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`to_panels`'s inverse: panels uint8 [N / 16, K / 32, 16 x bytes] -> blocks uint8 [N, K / 32, bytes]."""
     groups, per_row, _ = panels.shape
-    d = panels[..., 0:32].view(groups, per_row, PANEL_OUTPUTS, 2)  # [G, KB, 16, 2]
-    m = panels[..., 32:64].view(groups, per_row, PANEL_OUTPUTS, 2)
-    nibbles = panels[..., 64:].reshape(groups, per_row, 16, PANEL_OUTPUTS).transpose(2, 3)  # [G, KB, 16 (i), 16 (j)]
-    blocks = torch.cat([d, m, nibbles], dim=-1)  # [G, KB, 16, 20]
-    return blocks.permute(0, 2, 1, 3).reshape(groups * PANEL_OUTPUTS, per_row, BLOCK_BYTES["q4_1"]).contiguous()
-
-
-def q8_0_panels(blocks: torch.Tensor) -> torch.Tensor:
-    """Q8_0 blocks uint8 [N, K / 32, 34] (N a multiple of 16) -> the same bytes as panels uint8
-    [N / 16, K / 32, 544]: per 16 outputs and block, their 16 fp16 d, then for k = 0..31 sixteen
-    bytes, byte i being output i's int8 weight k."""
-    rows, per_row, _ = blocks.shape
-    g = blocks.view(rows // PANEL_OUTPUTS, PANEL_OUTPUTS, per_row, BLOCK_BYTES["q8_0"])  # [G, 16, KB, 34]
-    d = g[..., 0:2].permute(0, 2, 1, 3)  # [G, KB, 16, 2]
-    q = g[..., 2:].permute(0, 2, 3, 1)  # [G, KB, 32 (weight k), 16 (output i)]
-    return torch.cat([d.flatten(2), q.flatten(2)], dim=-1).contiguous()  # [G, KB, 544]
-
-
-def q8_0_from_panels(panels: torch.Tensor) -> torch.Tensor:
-    """`q8_0_panels`'s inverse: panels uint8 [N / 16, K / 32, 544] -> blocks uint8 [N, K / 32, 34]."""
-    groups, per_row, _ = panels.shape
-    d = panels[..., 0:32].view(groups, per_row, PANEL_OUTPUTS, 2)  # [G, KB, 16, 2]
-    q = panels[..., 32:].reshape(groups, per_row, 32, PANEL_OUTPUTS).transpose(2, 3)  # [G, KB, 16 (i), 32 (k)]
-    blocks = torch.cat([d, q], dim=-1)  # [G, KB, 16, 34]
-    return blocks.permute(0, 2, 1, 3).reshape(groups * PANEL_OUTPUTS, per_row, BLOCK_BYTES["q8_0"]).contiguous()
-
-
-PANELS = {"q4_1": ("q4_1_panels", q4_1_panels), "q8_0": ("q8_0_panels", q8_0_panels)}  # block format -> panels'
-FROM_PANELS = {"q4_1_panels": ("q4_1", q4_1_from_panels), "q8_0_panels": ("q8_0", q8_0_from_panels)}
+    fields, size = SCALE_BYTES[fmt] // 2, BLOCK_BYTES[fmt]
+    head = 2 * fields * PANEL_OUTPUTS
+    scales = panels[..., :head].reshape(groups, per_row, fields, PANEL_OUTPUTS, 2).permute(0, 1, 3, 2, 4)
+    weights = panels[..., head:].reshape(groups, per_row, -1, PANEL_OUTPUTS).transpose(2, 3)  # [G, KB, 16, bytes]
+    blocks = torch.cat([scales.flatten(3), weights], dim=-1)  # [G, KB, 16, bytes]
+    return blocks.permute(0, 2, 1, 3).reshape(groups * PANEL_OUTPUTS, per_row, size).contiguous()
 
 
 def unpermute_rope_rows(blocks: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -58,8 +58,7 @@ class RoundRunner:
         # A guided draft re-selects its view from the attention mass of this round's full-cache forward
         # (speculative rounds only: a plain round's view would not be read before the next selection
         # anyway), every round or every few (`draft.reselect_every`).
-        observes = bool(gamma) and self.compressor is not None and self.compressor.wants_mass \
-            and self.compressor.observes_round()
+        observes = bool(gamma) and self.compressor is not None and self.compressor.observes_round()
         t0 = time.perf_counter()
         drafts, draft_probs = ([], [])
         if gamma:

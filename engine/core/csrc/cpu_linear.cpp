@@ -220,56 +220,45 @@ inline void dequantise(const uint8_t* blocks, int64_t format, int64_t rows, int6
 #define MAGICDEC_PANELS 1
 constexpr int kMaxPanelRows = 13;  // 2 R accumulators + d, m, two weight vectors, the nibbles: 32 registers
 
-// out[r][0..15] = x[r] . the panel's 16 weight rows (+ bias) for R rows of x [R, K] (rows K apart).
-// panel: the 16 outputs' K / 32 panel blocks, one after the other. Each block's 32 products are
-// summed on their own (one FMA chain) and then added to the row's total: a chain of 32 and one of
-// K / 32 rather than one of K, about as accurate as the dot-product tiles' 16 lanes.
-template <int R>
-void q4_1_panel_rows(const float* __restrict x, int64_t K, const uint8_t* __restrict panel, const float* bias,
-                     float* __restrict out, int64_t ldo) {
+// out[r][0..15] = x[r] . the panel's 16 weight rows (+ bias) for R rows of x [R, K] (rows K apart),
+// the panel in `Format` (kQ4_1Panels or kQ8_0Panels). panel: the 16 outputs' K / 32 panel blocks, one
+// after the other. Each block's 32 products are summed on their own (one FMA chain: Q4_1 weights j,
+// j + 16 for j = 0..15, Q8_0 weights k = 0..31) and then added to the row's total: a chain of 32 and
+// one of K / 32 rather than one of K, about as accurate as the dot-product tiles' 16 lanes.
+template <int64_t Format, int R>
+void panel_rows(const float* __restrict x, int64_t K, const uint8_t* __restrict panel, const float* bias,
+                float* __restrict out, int64_t ldo) {
+  constexpr bool q8 = Format == kQ8_0Panels;
+  constexpr int64_t block_bytes = q8 ? kQ8PanelBlockBytes : kPanelBlockBytes;
   __m512 total[R], part[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   const __m128i low_nibbles = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < K / kBlock; ++b, panel += kPanelBlockBytes) {
-    for (int64_t line = 0; line < kPanelBlockBytes; line += 64)  // two blocks ahead
-      _mm_prefetch(reinterpret_cast<const char*>(panel + 2 * kPanelBlockBytes + line), _MM_HINT_T0);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel)));  // [16]
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 32)));
-    const float* xb = x + b * kBlock;
-    for (int j = 0; j < 16; ++j) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + 64 + 16 * j));
-      const __m128i q_low = _mm_and_si128(bytes, low_nibbles), q_high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-      // d * q is exact (11 x 4 significant bits), so the fused d * q + m rounds as gguf-py's two steps
-      const __m512 w_low = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_low)), m);  // weights j
-      const __m512 w_high = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_high)), m);  // j + 16
-      for (int r = 0; r < R; ++r)
-        part[r] = j == 0 ? _mm512_mul_ps(_mm512_set1_ps(xb[r * K]), w_low)
-                         : _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + j]), w_low, part[r]);
-      for (int r = 0; r < R; ++r) part[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + j + 16]), w_high, part[r]);
-    }
-    for (int r = 0; r < R; ++r) total[r] = _mm512_add_ps(total[r], part[r]);
-  }
-  const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, bias != nullptr ? _mm512_add_ps(total[r], bv) : total[r]);
-}
-
-// q4_1_panel_rows for Q8_0 panels: the weights d * q (exact), k = 0..31 in turn.
-template <int R>
-void q8_0_panel_rows(const float* __restrict x, int64_t K, const uint8_t* __restrict panel, const float* bias,
-                     float* __restrict out, int64_t ldo) {
-  __m512 total[R], part[R];
-  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < K / kBlock; ++b, panel += kQ8PanelBlockBytes) {
-    for (int64_t line = 0; line < kQ8PanelBlockBytes; line += 64)  // two blocks ahead
-      _mm_prefetch(reinterpret_cast<const char*>(panel + 2 * kQ8PanelBlockBytes + line), _MM_HINT_T0);
+  for (int64_t b = 0; b < K / kBlock; ++b, panel += block_bytes) {
+    for (int64_t line = 0; line < block_bytes; line += 64)  // two blocks ahead
+      _mm_prefetch(reinterpret_cast<const char*>(panel + 2 * block_bytes + line), _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel)));  // [16]
     const float* xb = x + b * kBlock;
-    for (int k = 0; k < kBlock; ++k) {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + 32 + 16 * k));
-      const __m512 w = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));  // weight k of 16 outputs
+    // part[r] += x[r][k] * w (w: weight k of the 16 outputs), the block's first product a plain one
+    auto fold = [&](int64_t k, __m512 w) {
       for (int r = 0; r < R; ++r)
         part[r] = k == 0 ? _mm512_mul_ps(_mm512_set1_ps(xb[r * K]), w)
                          : _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + k]), w, part[r]);
+    };
+    if constexpr (q8) {
+      for (int k = 0; k < kBlock; ++k) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + 32 + 16 * k));
+        fold(k, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));  // d * q: exact
+      }
+    } else {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 32)));
+      for (int j = 0; j < 16; ++j) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + 64 + 16 * j));
+        const __m128i q_low = _mm_and_si128(bytes, low_nibbles);
+        const __m128i q_high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+        // d * q is exact (11 x 4 significant bits), so the fused d * q + m rounds as gguf-py's two steps
+        fold(j, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_low)), m));
+        fold(j + 16, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_high)), m));
+      }
     }
     for (int r = 0; r < R; ++r) total[r] = _mm512_add_ps(total[r], part[r]);
   }
@@ -278,16 +267,13 @@ void q8_0_panel_rows(const float* __restrict x, int64_t K, const uint8_t* __rest
 }
 
 using PanelRows = void (*)(const float*, int64_t, const uint8_t*, const float*, float*, int64_t);
-template <int... R>
-constexpr std::array<PanelRows, sizeof...(R) + 1> q4_1_table(std::integer_sequence<int, R...>) {
-  return {nullptr, &q4_1_panel_rows<R + 1>...};
+template <int64_t Format, int... R>
+constexpr std::array<PanelRows, sizeof...(R) + 1> panel_table(std::integer_sequence<int, R...>) {
+  return {nullptr, &panel_rows<Format, R + 1>...};
 }
-template <int... R>
-constexpr std::array<PanelRows, sizeof...(R) + 1> q8_0_table(std::integer_sequence<int, R...>) {
-  return {nullptr, &q8_0_panel_rows<R + 1>...};
-}
-constexpr auto kQ4_1PanelRows = q4_1_table(std::make_integer_sequence<int, kMaxPanelRows>{});  // [R] -> R rows
-constexpr auto kQ8_0PanelRows = q8_0_table(std::make_integer_sequence<int, kMaxPanelRows>{});
+constexpr auto kRows = std::make_integer_sequence<int, kMaxPanelRows>{};
+constexpr auto kQ4_1PanelRows = panel_table<kQ4_1Panels>(kRows);  // [R] -> R rows
+constexpr auto kQ8_0PanelRows = panel_table<kQ8_0Panels>(kRows);
 
 // The parts read from panels: tasks of 16 outputs, each over all M rows in near-equal tiles of at
 // most kMaxPanelRows (13 rows: one tile; 16: 8 + 8; 26: 13 + 13).

@@ -113,8 +113,8 @@ class Compressor(ABC):
             self.compact.release(slot)
 
     def observes_round(self) -> bool:
-        """(`wants_mass` methods) asked once per speculative round, before its full-cache forward:
-        whether that forward should return its attention mass for a re-selection."""
+        """Asked once per speculative round, before its full-cache forward: whether that forward should
+        return its attention mass for a re-selection (never, but for `wants_mass` methods)."""
         return self.wants_mass
 
     def new_mass(self, rows: int, positions: int) -> torch.Tensor:
