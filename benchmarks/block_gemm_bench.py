@@ -1,12 +1,12 @@
 """One decode step's GEMMs of the default model read from its GGUF blocks against its float32 weights.
 
-Not a test: a micro-benchmark behind BENCHMARKS.md sections 19, 21 and 29. It loads the default model
+Not a test: a micro-benchmark behind BENCHMARKS.md sections 19, 21, 29 and 30. It loads the default model
 as the engine does (`ModelRunner` keeps the GGUF's blocks), then times the few-row kernel over the 210
 layer linears (Q4_1) and the lm_head (Q8_0) at M rows, each call reading the blocks, against the
 same calls reading the float32 weights; where the blocks are kept as 16-output panels (AVX-512), it
-times the panels too and the same blocks read one output at a time. The three are
-timed in turn, --repeats rounds, median of each. It asserts that blocks read one output at a time
-give the float32 kernel's bits, and that panels agree with them to float32 rounding. Writes JSON.
+times the panels too (by AVX-512 FMAs, and by the AMX tiles where the kernel has them) and the same
+blocks read one output at a time. All are timed in turn, --repeats rounds, median of each. It asserts that blocks read one output at a time
+give the float32 kernel's bits, and that panels (both ways) agree with them to float32 rounding. Writes JSON.
 
     PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/block_gemm_bench.py --rows 1,4,13,16,40 \\
         --out benchmarks/results/block_gemm.json
@@ -56,9 +56,15 @@ def main() -> None:
             dot_calls = [(x, w, PackedWeight(fmt, from_panels(p.blocks, fmt)) if (fmt := BLOCKS_OF_PANELS.get(p.format))
                           else p) for x, w, p in calls]
 
-            def reading(chosen):
-                return lambda: [kernel.small_linear_cat(x, [w], [None], [p.blocks], [FORMATS[p.format]])
+            def reading(chosen, amx=False):
+                def call():
+                    previous = kernel.use_amx(amx)  # panels by the AMX tiles or by AVX-512 FMAs
+                    try:
+                        return [kernel.small_linear_cat(x, [w], [None], [p.blocks], [FORMATS[p.format]])
                                 for x, w, p in chosen]
+                    finally:
+                        kernel.use_amx(previous)
+                return call
 
             def from_float32():
                 return [kernel.small_linear(x, w, None) for x, w, _ in calls]
@@ -66,15 +72,20 @@ def main() -> None:
             timed = {"float32": from_float32, "blocks": reading(dot_calls)}
             if any(p.format in BLOCKS_OF_PANELS for _, _, p in calls):
                 timed["panels"] = reading(calls)
+                if kernel.amx_in_use():
+                    timed["panels_amx"] = reading(calls, amx=True)
             reference = from_float32()
             assert all(torch.equal(a, b) for a, b in zip(timed["blocks"](), reference)), name
-            if "panels" in timed:
-                assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(timed["panels"](), reference))
+            for panels in ("panels", "panels_amx"):
+                if panels in timed:
+                    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(timed[panels](), reference))
             times = interleaved_medians(timed, args.repeats)
             row[name] = {"gemms": len(calls), **{f"{k}_ms": round(1e3 * v, 2) for k, v in times.items()},
                          "ratio": round(times["float32"] / times["blocks"], 2)}
             if "panels" in times:
                 row[name]["panels_vs_blocks"] = round(times["blocks"] / times["panels"], 2)
+            if "panels_amx" in times:
+                row[name]["amx_vs_panels"] = round(times["panels"] / times["panels_amx"], 2)
         results.append(row)
         print(row, flush=True)
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_model_name(),

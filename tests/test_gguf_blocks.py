@@ -105,12 +105,25 @@ def test_panels_hold_the_blocks_bytes_where_the_kernel_reads_them(block_format):
     assert torch.equal(from_panels(panels, block_format), blocks)
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def panels_by(request, panel_kernel):
+    """The kernel with its panels multiplied by AVX-512 FMAs, then by the AMX tiles (where it has them)."""
+    amx = request.param == "amx"
+    if amx and not panel_kernel.amx_in_use():
+        pytest.skip("no AMX tiles here (a CPU with AMX-BF16 and a kernel built for it)")
+    previous = panel_kernel.use_amx(amx)
+    yield panel_kernel
+    panel_kernel.use_amx(previous)
+
+
 @pytest.mark.parametrize("block_format", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("M", [1, 2, 3, 13, 16, 17, 26, 40])
+@pytest.mark.parametrize("M", [1, 2, 3, 13, 16, 17, 26, 40, 64])
 @pytest.mark.parametrize("K,N", [(64, 48), (576, 192), (1536, 16)])
-def test_panels_give_the_product_and_a_rows_bits_do_not_depend_on_its_batch(panel_kernel, block_format, M, K, N):
+def test_panels_give_the_product_and_a_rows_bits_do_not_depend_on_its_batch(panels_by, block_format, M, K, N):
     """Against float64 (each output's error within float32 rounding of its terms' magnitudes); each
-    row alone, and the rows in reverse order, give the very same bits as in the whole batch."""
+    row alone, and the rows in reverse order, give the very same bits as in the whole batch. Both
+    ways of multiplying panels: AVX-512 FMAs, and the AMX tiles' bfloat16 products of x in three parts."""
+    panel_kernel = panels_by
     blocks = quantised(block_format, N, K, seed=M + K)
     weight, panels = dequantise(blocks, block_format), to_panels(blocks, block_format)
     g = torch.Generator().manual_seed(M)

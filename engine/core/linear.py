@@ -21,7 +21,9 @@ which checks that they de-quantise to exactly that weight. The kernel then reads
 1.06 bytes a weight instead of 4) and gives the same bits; with `MAGICDEC_GGUF_BLOCKS=0` it reads
 the float32 copy. Where the kernel has AVX-512, Q4_1 and Q8_0 blocks are regrouped once into 16-output
 panels, which it multiplies as an outer product (faster; other bits than the float32 kernel's, the same
-for a row whatever its batch). Not here: low-precision draft GEMMs
+for a row whatever its batch); where the CPU has AMX tiles (and `MAGICDEC_AMX` is not "0") the panels
+are multiplied by them instead, x split into three bfloat16 parts so that every product is exact
+(float32 accuracy; other bits again, still the same for a row whatever its batch). Not here: low-precision draft GEMMs
 (`engine.spec.draft.gemms`), sharded layers (DeepSpeed's keep their own forward), attention.
 """
 
@@ -41,6 +43,7 @@ from engine.models.loading import GgufSource
 MAX_ROWS = 128  # AVX2: above this torch's GEMM is as fast (BENCHMARKS.md section 12)
 MAX_ROWS_AVX512 = 40  # AVX-512: from ~40 rows torch's GEMM is as fast (BENCHMARKS.md section 15)
 SWITCH_ENV = "MAGICDEC_SMALL_GEMM"  # "0": always torch's GEMM
+AMX_ENV = "MAGICDEC_AMX"  # "0": panels by AVX-512 FMAs even where the kernel has the AMX tiles
 BLOCKS_ENV = "MAGICDEC_GGUF_BLOCKS"  # "0": the kernel reads float32 weights even where blocks are attached
 # block formats -> the kernel's ids (cpu_linear.cpp's WeightFormat); *_panels: regrouped by 16 outputs
 FORMATS = {"q4_1": 1, "q8_0": 2, "q4_1_panels": 3, "q8_0_panels": 4}
@@ -56,6 +59,8 @@ def _kernel():
         kernel = None
         if os.environ.get(SWITCH_ENV, "1") != "0":
             kernel = cpu_kernels.load()
+        if kernel is not None and os.environ.get(AMX_ENV, "1") == "0":
+            kernel.use_amx(False)
         _state["kernel"] = kernel if kernel is not None and kernel.small_linear_available() else None
     return _state["kernel"]
 
@@ -92,6 +97,8 @@ def linear_path(device: torch.device, dtype: torch.dtype, model: torch.nn.Module
         if packed:
             counts = ", ".join(f"{packed.count(name)} {FORMAT_NAMES[name]}" for name in sorted(set(packed)))
             path += f"; reads GGUF blocks for {counts} weights"
+            if any(name in PANEL_FORMATS.values() for name in packed) and _kernel().amx_in_use():
+                path += " (panels by AMX tiles, bfloat16 x 3)"
         return path
     return "torch"
 

@@ -1175,6 +1175,8 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
                                std::vector<c10::optional<torch::Tensor>> biases,
                                std::vector<c10::optional<torch::Tensor>> blocks, std::vector<int64_t> formats);
 std::vector<int64_t> small_linear_formats();
+bool amx_in_use();
+bool use_amx(bool enabled);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_available", &small_linear_available, "whether small_linear is compiled in (AVX2 + FMA)");
@@ -1186,6 +1188,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "small_linear of several weights at once, their outputs side by side [M, sum N] (no weight copy); "
         "a weight with a format (1: Q4_1, 2: Q8_0) is read from its GGUF blocks, same bits");
   m.def("small_linear_formats", &small_linear_formats, "the weight formats small_linear_cat reads here");
+  m.def("amx_in_use", &amx_in_use, "whether GGUF panels are multiplied by the AMX tile unit here");
+  m.def("use_amx", &use_amx, "allow (true) or forbid (false) the AMX panels; returns the previous setting");
 
   m.def("use_vector_path", &use_vector_path,
         "allow (true) or forbid (false) the vector (AVX2/AVX-512) paths; says if one is compiled in");

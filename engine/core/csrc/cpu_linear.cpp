@@ -40,6 +40,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <utility>
@@ -302,7 +305,258 @@ void panel_linear(const float* x, int64_t M, int64_t K, const std::vector<const 
 }
 #endif  // MAGICDEC_GGUF_BLOCKS && MAGICDEC_AVX512
 
+#if defined(MAGICDEC_PANELS) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define MAGICDEC_AMX 1
+// AMX: the same panels multiplied by the tile unit's bfloat16 dot products, exactly enough for float32.
+// Each row of x is split into three bfloat16 parts, x = hi + mid + lo (each the rounding of what the
+// parts before it left; 3 x 8 significant bits hold float32's 24, so the sum is x, bit for bit, but for
+// values near float32's smallest normals); a weight's q (Q4_1 0..15, Q8_0 -128..127) is exact in
+// bfloat16, so every product x_part * q is exact and the tile unit's float32 sums (round to nearest,
+// in a fixed order per row) are the only roundings, as in the float32 kernels. Per block of 32 along K
+// and 16 outputs: C [rows, 16 outputs] = sum over the parts of A_part [rows, 32] . B [32, 16], then
+// out += d * C (+ m * the block's sum of x, Q4_1). A row's bits do not depend on the other rows of its
+// tile (each row's products and sums are its own). B is built from the panel block's bytes in
+// registers (q as bfloat16 pairs, the tile unit's layout) once per call and kept for further row
+// tiles; two panels go side by side, their C tiles' sums interleaved so that neither waits on the
+// other's. Against the AVX-512 panels, one decode step's GEMMs of the default model (fused as the lean
+// stack calls them): 1.5x at 16 rows, 1.4x at 13, 1.9x at 64, but 0.67x at 1 row (building B costs
+// what the AVX-512 kernel's one row of FMAs does; BENCHMARKS.md section 30).
+bool g_amx_on = true;  // tests switch it off to compare with the AVX-512 panels
+
+bool amx_permitted() {  // Linux lends the tile registers' state to a process that asks (once)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {  // palette 1: per tile register its rows and bytes per row
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int kTileRows = 16, kParts = 3;
+
+// x rows [rows, K] of one row tile -> for each block b its A parts [kParts][16 rows][32 bf16] (rows past
+// `rows` untouched: the tiles are configured to `rows` rows) and each row's sum of the block's 32 x
+// [16] (Q4_1's m term). q4: the Q4_1 panels' order
+// (bf16 pair j holds x[j], x[j + 16], as a panel byte holds weights j and j + 16), else Q8_0's (x[2j],
+// x[2j + 1], the natural order).
+void split_rows(const float* x, int64_t rows, int64_t K, bool q4, uint16_t* parts, float* sums) {
+  const int64_t blocks = K / kBlock;
+  const __m512i low_word = _mm512_set1_epi32(0xFFFF);
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 first = _mm512_loadu_ps(x + r * K + b * kBlock);  // x[0..15] of the block
+      __m512 second = _mm512_loadu_ps(x + r * K + b * kBlock + 16);  // x[16..31]
+      sums[b * kTileRows + r] = _mm512_reduce_add_ps(_mm512_add_ps(first, second));
+      for (int p = 0; p < kParts; ++p) {
+        // each half rounded to bfloat16, then widened back to subtract it (bf16 bits << 16 = float32)
+        const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(first));
+        const __m512i c = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(second));
+        uint16_t* dst = parts + ((b * kParts + p) * kTileRows + r) * kBlock;
+        if (q4) {  // dword j = (bf16 of x[j]) | (bf16 of x[j + 16]) << 16
+          _mm512_storeu_si512(dst, _mm512_or_si512(_mm512_and_si512(a, low_word), _mm512_slli_epi32(c, 16)));
+        } else {  // words 0..15 then 16..31
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(a));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), _mm512_cvtepi32_epi16(c));
+        }
+        first = _mm512_sub_ps(first, _mm512_castsi512_ps(_mm512_slli_epi32(a, 16)));
+        second = _mm512_sub_ps(second, _mm512_castsi512_ps(_mm512_slli_epi32(c, 16)));
+      }
+    }
+}
+
+// B of a panel block [16 pairs j][16 outputs][2 bf16] into `tile` (1 KB): Q4_1 pair j of output i = the
+// two nibbles of byte i of the block's row j; Q8_0 = its weights 2j, 2j + 1.
+inline void build_b(const uint8_t* block, bool q4, uint16_t* tile) {
+  const __m512i high_word = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int j = 0; j < 16; ++j) {
+    __m512 first, second;  // the pair's two weights of the 16 outputs, as float32 (exact)
+    if (q4) {
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 16 * j)));
+      first = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
+      second = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+    } else {
+      const uint8_t* row = block + 32 + 32 * j;
+      first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+      second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+    }
+    // small integers are exact in bfloat16: the high half of their float32 bits
+    const __m512i pair = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(first), 16),
+                                         _mm512_and_si512(_mm512_castps_si512(second), high_word));
+    _mm512_storeu_si512(tile + 32 * j, pair);
+  }
+}
+
+// One task of amx_panel_linear: P (1 or 2) adjacent panels of one weight over every row of x.
+struct AmxTask {
+  const uint8_t* panel0;
+  const uint8_t* panel1;  // the next panel (P = 2)
+  bool q8;
+  int64_t blocks, block_bytes;
+  const uint16_t* split;  // x's A parts in this format's order, [row tile][block][part][16][32]
+  int64_t part_words;     // per row tile
+  const float* sums;      // [row tile][block][16]
+  int64_t M;
+  const float* bias;      // [16 P] or null
+  float* out;             // the first panel's first output column (rows N apart)
+  int64_t N;
+  uint16_t* b_tiles;      // scratch [2][blocks][512]
+};
+
+// Per block: both panels' B tiles (built on the first row tile, then kept), the block's three A
+// parts loaded once for both, the six products into two C tiles interleaved, then out += d * C (+ m *
+// the block's sums of x) per panel, in registers until the row tile ends.
+template <int P>
+void amx_panels(const AmxTask& task, int64_t& configured_rows) {
+  const int64_t row_tiles = (task.M + kTileRows - 1) / kTileRows;
+  alignas(64) float c[P][kTileRows * 16];
+  for (int64_t rt = 0; rt < row_tiles; ++rt) {
+    const int64_t rows = std::min<int64_t>(kTileRows, task.M - rt * kTileRows);
+    if (rows != configured_rows) {  // the A and C tiles hold this tile's rows; 0, 1: C; 2..4: A; 5, 6: B
+      TileConfig config;
+      for (int tile = 0; tile <= 6; ++tile) {
+        config.colsb[tile] = 64;
+        config.rows[tile] = static_cast<uint8_t>(tile >= 5 ? 16 : rows);
+      }
+      asm volatile("" : : "r"(&config) : "memory");  // GCC 12 drops the stores ldtilecfg reads without it
+      _tile_loadconfig(&config);
+      configured_rows = rows;
+    }
+    __m512 total[P][kTileRows];
+    for (int p = 0; p < P; ++p) {
+      const __m512 bias = task.bias != nullptr ? _mm512_loadu_ps(task.bias + 16 * p) : _mm512_setzero_ps();
+      for (int r = 0; r < kTileRows; ++r) total[p][r] = bias;
+    }
+    const uint8_t* panel[2] = {task.panel0, task.panel1};
+    for (int64_t b = 0; b < task.blocks; ++b) {
+      uint16_t* b_tile[2] = {task.b_tiles + b * 512, task.b_tiles + (task.blocks + b) * 512};
+      if (rt == 0)
+        for (int p = 0; p < P; ++p) {
+          const uint8_t* block = panel[p] + b * task.block_bytes;
+          for (int64_t line = 0; line < task.block_bytes; line += 64)  // two blocks ahead
+            _mm_prefetch(reinterpret_cast<const char*>(block + 2 * task.block_bytes + line), _MM_HINT_T0);
+          build_b(block, !task.q8, b_tile[p]);
+        }
+      const uint16_t* a = task.split + rt * task.part_words + b * kParts * kTileRows * kBlock;
+      _tile_loadd(2, a, 64);
+      _tile_loadd(3, a + kTileRows * kBlock, 64);
+      _tile_loadd(4, a + 2 * kTileRows * kBlock, 64);
+      _tile_loadd(5, b_tile[0], 64);
+      _tile_zero(0);
+      if constexpr (P == 2) {
+        _tile_loadd(6, b_tile[1], 64);
+        _tile_zero(1);
+      }
+      _tile_dpbf16ps(0, 2, 5);
+      if constexpr (P == 2) _tile_dpbf16ps(1, 2, 6);
+      _tile_dpbf16ps(0, 3, 5);
+      if constexpr (P == 2) _tile_dpbf16ps(1, 3, 6);
+      _tile_dpbf16ps(0, 4, 5);
+      if constexpr (P == 2) _tile_dpbf16ps(1, 4, 6);
+      _tile_stored(0, c[0], 64);
+      if constexpr (P == 2) _tile_stored(1, c[P - 1], 64);
+      const float* s = task.sums + (rt * task.blocks + b) * kTileRows;
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* block = panel[p] + b * task.block_bytes;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+        if (task.q8) {
+          for (int r = 0; r < rows; ++r) total[p][r] = _mm512_fmadd_ps(d, _mm512_load_ps(c[p] + 16 * r), total[p][r]);
+        } else {
+          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
+          for (int r = 0; r < rows; ++r)
+            total[p][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[r]), _mm512_fmadd_ps(d, _mm512_load_ps(c[p] + 16 * r), total[p][r]));
+        }
+      }
+    }
+    for (int p = 0; p < P; ++p)
+      for (int r = 0; r < rows; ++r) _mm512_storeu_ps(task.out + (rt * kTileRows + r) * task.N + 16 * p, total[p][r]);
+  }
+}
+
+// panel_linear by the tile unit (same arguments and outputs layout).
+void amx_panel_linear(const float* x, int64_t M, int64_t K, const std::vector<const uint8_t*>& panels,
+                      const std::vector<int64_t>& formats, const std::vector<const float*>& biases,
+                      const std::vector<int64_t>& widths, const std::vector<int64_t>& columns, int64_t N, float* out) {
+  const int64_t parts = static_cast<int64_t>(panels.size()), blocks = K / kBlock;
+  const int64_t row_tiles = (M + kTileRows - 1) / kTileRows;
+  std::vector<int64_t> first_task(parts + 1, 0);
+  bool any_q4 = false, any_q8 = false;
+  for (int64_t i = 0; i < parts; ++i) {
+    first_task[i + 1] = first_task[i] + widths[i] / kPanelOutputs;
+    (formats[i] == kQ8_0Panels ? any_q8 : any_q4) = true;
+  }
+  // x split once per call for the orders present: [row tile][block][part][16][32] and sums [row tile][block][16]
+  const int64_t part_words = blocks * kParts * kTileRows * kBlock;
+  // the calling thread's scratch, grown on demand (every word read is written first); the tasks below
+  // run on other threads too, so they are handed pointers, not the thread-local names
+  static thread_local std::vector<uint16_t> split_q4_scratch, split_q8_scratch;
+  static thread_local std::vector<float> sums_scratch;
+  for (auto* split : {&split_q4_scratch, &split_q8_scratch})
+    if (split->size() < static_cast<size_t>(row_tiles * part_words)) split->resize(row_tiles * part_words);
+  if (sums_scratch.size() < static_cast<size_t>(row_tiles * blocks * kTileRows))
+    sums_scratch.resize(row_tiles * blocks * kTileRows);
+  uint16_t* const split_q4 = split_q4_scratch.data();
+  uint16_t* const split_q8 = split_q8_scratch.data();
+  float* const sums = sums_scratch.data();
+  for (int64_t rt = 0; rt < row_tiles; ++rt) {
+    const int64_t rows = std::min<int64_t>(kTileRows, M - rt * kTileRows);
+    float* tile_sums = sums + rt * blocks * kTileRows;
+    if (any_q4) split_rows(x + rt * kTileRows * K, rows, K, true, split_q4 + rt * part_words, tile_sums);
+    if (any_q8) split_rows(x + rt * kTileRows * K, rows, K, false, split_q8 + rt * part_words, tile_sums);
+  }
+  // tasks: two panels of one part at a time (their C tiles' sums interleaved, so that neither waits
+  // on the other's), the last panel of a part with an odd count alone
+  std::vector<int64_t> first_pair(parts + 1, 0);
+  for (int64_t i = 0; i < parts; ++i) first_pair[i + 1] = first_pair[i] + (widths[i] / kPanelOutputs + 1) / 2;
+  at::parallel_for(0, first_pair[parts], 1, [&](int64_t first, int64_t last) {
+    static thread_local std::vector<uint16_t> b_tiles;  // the task's panels' B tiles [2][blocks][512], kept for row tiles
+    if (b_tiles.size() < static_cast<size_t>(2 * blocks * 512)) b_tiles.resize(2 * blocks * 512);
+    int64_t configured_rows = -1;
+    int64_t i = 0;
+    for (int64_t t = first; t < last; ++t) {
+      while (t >= first_pair[i + 1]) ++i;
+      const int64_t g = 2 * (t - first_pair[i]), n = g * kPanelOutputs;
+      const int count = g + 1 < widths[i] / kPanelOutputs ? 2 : 1;
+      const bool q8 = formats[i] == kQ8_0Panels;
+      const int64_t block_bytes = q8 ? kQ8PanelBlockBytes : kPanelBlockBytes;
+      const uint8_t* panel = panels[i] + g * blocks * block_bytes;
+      const AmxTask task{panel, panel + blocks * block_bytes, q8, blocks, block_bytes,
+                         q8 ? split_q8 : split_q4, part_words, sums, M,
+                         biases[i] != nullptr ? biases[i] + n : nullptr, out + columns[i] + n, N, b_tiles.data()};
+      if (count == 2)
+        amx_panels<2>(task, configured_rows);
+      else
+        amx_panels<1>(task, configured_rows);
+    }
+    _tile_release();
+  });
+}
+#endif  // MAGICDEC_AMX
+
 }  // namespace
+
+// Whether panels are multiplied by the tile unit (AMX) here: compiled in, permitted, not switched off.
+bool amx_in_use() {
+#ifdef MAGICDEC_AMX
+  return g_amx_on && amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// Switch the AMX panels on or off (tests compare both; a no-op where not compiled in); returns the
+// previous setting.
+bool use_amx(bool enabled) {
+#ifdef MAGICDEC_AMX
+  const bool previous = g_amx_on;
+  g_amx_on = enabled;
+  return previous;
+#else
+  (void)enabled;
+  return false;
+#endif
+}
 
 // Whether small_linear has its vector implementation here (else callers keep torch's GEMM).
 bool small_linear_available() {
@@ -397,7 +651,14 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
         panels.push_back(blockps[i]), panel_formats.push_back(fmts[i]), panel_biases.push_back(bps[i]);
         panel_widths.push_back(widths[i]), panel_columns.push_back(columns[i]);
       }
-    if (!panels.empty()) panel_linear(xp, M, K, panels, panel_formats, panel_biases, panel_widths, panel_columns, N, op);
+    if (!panels.empty()) {
+#ifdef MAGICDEC_AMX
+      if (amx_in_use())
+        amx_panel_linear(xp, M, K, panels, panel_formats, panel_biases, panel_widths, panel_columns, N, op);
+      else
+#endif
+        panel_linear(xp, M, K, panels, panel_formats, panel_biases, panel_widths, panel_columns, N, op);
+    }
     if (first_tile[parts] == 0) return out;
   }
 #endif
