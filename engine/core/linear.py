@@ -42,6 +42,7 @@ from engine.models.loading import GgufSource
 
 MAX_ROWS = 128  # AVX2: above this torch's GEMM is as fast (BENCHMARKS.md section 12)
 MAX_ROWS_AVX512 = 40  # AVX-512: from ~40 rows torch's GEMM is as fast (BENCHMARKS.md section 15)
+MAX_ROWS_AMX = 128  # GGUF panels by AMX tiles: 1.8x torch's GEMM at 64 rows, 1.6x at 96 (BENCHMARKS.md section 30)
 SWITCH_ENV = "MAGICDEC_SMALL_GEMM"  # "0": always torch's GEMM
 AMX_ENV = "MAGICDEC_AMX"  # "0": panels by AVX-512 FMAs even where the kernel has the AMX tiles
 BLOCKS_ENV = "MAGICDEC_GGUF_BLOCKS"  # "0": the kernel reads float32 weights even where blocks are attached
@@ -98,7 +99,7 @@ def linear_path(device: torch.device, dtype: torch.dtype, model: torch.nn.Module
             counts = ", ".join(f"{packed.count(name)} {FORMAT_NAMES[name]}" for name in sorted(set(packed)))
             path += f"; reads GGUF blocks for {counts} weights"
             if any(name in PANEL_FORMATS.values() for name in packed) and _kernel().amx_in_use():
-                path += " (panels by AMX tiles, bfloat16 x 3)"
+                path += f" (panels by AMX tiles, bfloat16 x 3, up to {max(MAX_ROWS_AMX, max_rows())} rows)"
         return path
     return "torch"
 
@@ -109,14 +110,25 @@ def _weights_fit(weights: list[torch.Tensor], biases: list[torch.Tensor | None])
             and all(b is None or b.dtype == torch.float32 for b in biases))
 
 
-def _kernel_for_input(x: torch.Tensor):
-    """The kernel if it takes x [..., K] here (float32, 1..max_rows() rows on CPU), else None; the
-    weights are checked apart (`_weights_fit`)."""
+def _kernel_for_input(x: torch.Tensor, limit: int | None = None):
+    """The kernel if it takes x [..., K] here (float32, 1..limit rows on CPU, max_rows() by default),
+    else None; the weights are checked apart (`_weights_fit`, `_row_limit`)."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if not (0 < rows <= max_rows() and x.device.type == "cpu" and x.dtype == torch.float32):
+    if not (0 < rows <= (limit or max_rows()) and x.device.type == "cpu" and x.dtype == torch.float32):
         return None
     return _kernel()
+
+
+def _row_limit(blocks_args: dict) -> int:
+    """The most rows the kernel takes for a call with these weights: more where every weight is a panel
+    format the AMX tiles multiply (faster than torch's GEMM well past max_rows(), so that a verification
+    forward's rows decode as a plain step's do)."""
+    formats = blocks_args.get("formats", [])
+    panels = {FORMATS[name] for name in PANEL_FORMATS.values()}
+    if formats and all(f in panels for f in formats) and _kernel().amx_in_use():
+        return max(MAX_ROWS_AMX, max_rows())
+    return max_rows()
 
 
 def _blocks_args(packed: list[PackedWeight | None]) -> dict:
@@ -159,9 +171,10 @@ def linear_cat(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.
     """Every weight's `linear` side by side: x [..., K] -> [..., sum of N_i] (a fused q|k|v or gate|up
     projection over the model's own separate weights, no concatenated copy). Each output has the bits
     `linear` gives it alone."""
-    kernel = _kernel_for_input(x) if _weights_fit(weights, biases) else None
-    if kernel is not None:
-        return _small_linear(kernel, x, weights, _contiguous(biases), _blocks_args(packed or [None] * len(weights)))
+    if _weights_fit(weights, biases) and _kernel() is not None:
+        blocks_args = _blocks_args(packed or [None] * len(weights))
+        if (kernel := _kernel_for_input(x, _row_limit(blocks_args))) is not None:
+            return _small_linear(kernel, x, weights, _contiguous(biases), blocks_args)
     return _torch_linear(x, weights, biases)
 
 
@@ -173,9 +186,10 @@ def linear_map(modules: list[torch.nn.Linear]):
     fit = _weights_fit(weights, biases)
     kernel_biases = _contiguous(biases)
     blocks_args = _blocks_args([getattr(m, "packed", None) for m in modules])
+    limit = _row_limit(blocks_args) if fit and _kernel() is not None else None
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        kernel = _kernel_for_input(x) if fit else None
+        kernel = _kernel_for_input(x, limit) if fit else None
         if kernel is not None:
             return _small_linear(kernel, x, weights, kernel_biases, blocks_args)
         return _torch_linear(x, weights, biases)

@@ -373,7 +373,8 @@ inline void build_b(const uint8_t* block, bool q4, uint16_t* tile) {
   for (int j = 0; j < 16; ++j) {
     __m512 first, second;  // the pair's two weights of the 16 outputs, as float32 (exact)
     if (q4) {
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 16 * j)));
+      const __m128i row = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 16 * j));
+      const __m512i bytes = _mm512_cvtepu8_epi32(row);
       first = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
       second = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
     } else {
@@ -465,7 +466,8 @@ void amx_panels(const AmxTask& task, int64_t& configured_rows) {
         } else {
           const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
           for (int r = 0; r < rows; ++r)
-            total[p][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[r]), _mm512_fmadd_ps(d, _mm512_load_ps(c[p] + 16 * r), total[p][r]));
+            total[p][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[r]),
+                                          _mm512_fmadd_ps(d, _mm512_load_ps(c[p] + 16 * r), total[p][r]));
         }
       }
     }
@@ -510,7 +512,7 @@ void amx_panel_linear(const float* x, int64_t M, int64_t K, const std::vector<co
   std::vector<int64_t> first_pair(parts + 1, 0);
   for (int64_t i = 0; i < parts; ++i) first_pair[i + 1] = first_pair[i] + (widths[i] / kPanelOutputs + 1) / 2;
   at::parallel_for(0, first_pair[parts], 1, [&](int64_t first, int64_t last) {
-    static thread_local std::vector<uint16_t> b_tiles;  // the task's panels' B tiles [2][blocks][512], kept for row tiles
+    static thread_local std::vector<uint16_t> b_tiles;  // a task's panels' B tiles [2][blocks][512], for row tiles
     if (b_tiles.size() < static_cast<size_t>(2 * blocks * 512)) b_tiles.resize(2 * blocks * 512);
     int64_t configured_rows = -1;
     int64_t i = 0;
