@@ -97,11 +97,10 @@ def main() -> None:
                     timed["panels_amx"] = reading(calls, amx=True)
             reference = from_float32()
             assert all(torch.equal(a, b) for a, b in zip(timed["blocks"](), reference)), name
-            for panels in ("panels", "panels_amx"):
-                if panels in timed:
-                    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(timed[panels](), reference))
+            for panels in [name for name in ("panels", "panels_amx") if name in timed]:
+                assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(timed[panels](), reference))
             flush = torch.ones(args.flush_mb * 2**20 // 4) if args.flush_mb else None
-            times = interleaved_medians(timed, args.repeats, before=(lambda: flush.sum()) if flush is not None else None)
+            times = interleaved_medians(timed, args.repeats, before=flush.sum if flush is not None else None)
             row[name] = {"gemms": sum(len(ws) for _, ws, _ in calls), "calls": len(calls),
                          **{f"{k}_ms": round(1e3 * v, 2) for k, v in times.items()},
                          "ratio": round(times["float32"] / times["blocks"], 2)}

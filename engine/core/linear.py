@@ -23,8 +23,9 @@ the float32 copy. Where the kernel has AVX-512, Q4_1 and Q8_0 blocks are regroup
 panels, which it multiplies as an outer product (faster; other bits than the float32 kernel's, the same
 for a row whatever its batch); where the CPU has AMX tiles (and `MAGICDEC_AMX` is not "0") the panels
 are multiplied by them instead, x split into three bfloat16 parts so that every product is exact
-(float32 accuracy; other bits again, still the same for a row whatever its batch). Not here: low-precision draft GEMMs
-(`engine.spec.draft.gemms`), sharded layers (DeepSpeed's keep their own forward), attention.
+(float32 accuracy; other bits again, still the same for a row whatever its batch), up to
+`MAX_ROWS_AMX` rows. Not here: low-precision draft GEMMs (`engine.spec.draft.gemms`), sharded layers
+(DeepSpeed's keep their own forward), attention.
 """
 
 from __future__ import annotations
