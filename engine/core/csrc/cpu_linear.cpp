@@ -33,7 +33,9 @@
 // rounds once whether fused or not. Each output is one FMA chain over k in a fixed order (per block:
 // Q4_1 j, j + 16 for j = 0..15, Q8_0 k = 0..31, into the block's sum; then the blocks' sums in turn),
 // whatever M and the row tiling, so a row's result still does not depend on its batch; its bits
-// differ from the float32 kernel's (another summation order).
+// differ from the float32 kernel's (another summation order). Where the build and the CPU have AMX
+// tiles, the panels are multiplied by them instead (`amx_panel_linear`: x in three bfloat16 parts,
+// float32 accuracy, a row's bits again independent of its batch; `use_amx(false)` switches back).
 // Not here: any other dtype (bfloat16/int8 draft GEMMs live in engine/spec/draft/gemms.py), many-row
 // GEMMs (prefill chunks keep torch's), weights that are not contiguous.
 
@@ -318,9 +320,10 @@ void panel_linear(const float* x, int64_t M, int64_t K, const std::vector<const 
 // tile (each row's products and sums are its own). B is built from the panel block's bytes in
 // registers (q as bfloat16 pairs, the tile unit's layout) once per call and kept for further row
 // tiles; two panels go side by side, their C tiles' sums interleaved so that neither waits on the
-// other's. Against the AVX-512 panels, one decode step's GEMMs of the default model (fused as the lean
-// stack calls them): 1.5x at 16 rows, 1.4x at 13, 1.9x at 64, but 0.67x at 1 row (building B costs
-// what the AVX-512 kernel's one row of FMAs does; BENCHMARKS.md section 30).
+// other's. One decode step's GEMMs of the default model as the lean stack calls them, against the
+// AVX-512 panels (layers / lm_head): 1.07x / 1.44x at 16 rows, 1.55x / 1.72x at 64 (1.83x torch's GEMM,
+// which took those rows before), but 0.76x / 0.73x at 1 row: building B costs what the AVX-512
+// kernel's one row of FMAs does (BENCHMARKS.md section 30).
 bool g_amx_on = true;  // tests switch it off to compare with the AVX-512 panels
 
 bool amx_permitted() {  // Linux lends the tile registers' state to a process that asks (once)
@@ -338,9 +341,8 @@ constexpr int kTileRows = 16, kParts = 3;
 
 // x rows [rows, K] of one row tile -> for each block b its A parts [kParts][16 rows][32 bf16] (rows past
 // `rows` untouched: the tiles are configured to `rows` rows) and each row's sum of the block's 32 x
-// [16] (Q4_1's m term). q4: the Q4_1 panels' order
-// (bf16 pair j holds x[j], x[j + 16], as a panel byte holds weights j and j + 16), else Q8_0's (x[2j],
-// x[2j + 1], the natural order).
+// [16] (Q4_1's m term). q4: the Q4_1 panels' order (bf16 pair j holds x[j], x[j + 16], as a panel byte
+// holds weights j and j + 16), else Q8_0's (x[2j], x[2j + 1], the natural order).
 void split_rows(const float* x, int64_t rows, int64_t K, bool q4, uint16_t* parts, float* sums) {
   const int64_t blocks = K / kBlock;
   const __m512i low_word = _mm512_set1_epi32(0xFFFF);
