@@ -149,7 +149,7 @@ def test_amx_panels_take_verification_rows_that_torch_took(panel_kernel):
         pytest.skip("no AMX tiles here (a CPU with AMX-BF16 and a kernel built for it)")
     blocks = quantised("q4_1", 32, 64, seed=7)
     weight, packed = dequantise(blocks, "q4_1"), PackedWeight("q4_1_panels", to_panels(blocks, "q4_1"))
-    limit = max(engine_linear.MAX_ROWS_AMX, engine_linear.max_rows())
+    limit = engine_linear.amx_max_rows()
     g = torch.Generator().manual_seed(7)
     verify, beyond = torch.randn(engine_linear.max_rows() + 1, 64, generator=g), torch.randn(limit + 1, 64, generator=g)
     got = engine_linear.linear(verify, weight, None, packed)

@@ -49,6 +49,7 @@ AMX_ENV = "MAGICDEC_AMX"  # "0": panels by AVX-512 FMAs even where the kernel ha
 BLOCKS_ENV = "MAGICDEC_GGUF_BLOCKS"  # "0": the kernel reads float32 weights even where blocks are attached
 # block formats -> the kernel's ids (cpu_linear.cpp's WeightFormat); *_panels: regrouped by 16 outputs
 FORMATS = {"q4_1": 1, "q8_0": 2, "q4_1_panels": 3, "q8_0_panels": 4}
+_PANEL_IDS = frozenset(FORMATS[name] for name in PANEL_FORMATS.values())
 FORMAT_NAMES = {"q4_1": "Q4_1", "q8_0": "Q8_0", "q4_1_panels": "Q4_1 (16-output panels)",
                 "q8_0_panels": "Q8_0 (16-output panels)"}  # for the report
 _in_engine = contextvars.ContextVar("magicdec_engine_forward", default=False)
@@ -100,7 +101,7 @@ def linear_path(device: torch.device, dtype: torch.dtype, model: torch.nn.Module
             counts = ", ".join(f"{packed.count(name)} {FORMAT_NAMES[name]}" for name in sorted(set(packed)))
             path += f"; reads GGUF blocks for {counts} weights"
             if any(name in PANEL_FORMATS.values() for name in packed) and _kernel().amx_in_use():
-                path += f" (panels by AMX tiles, bfloat16 x 3, up to {max(MAX_ROWS_AMX, max_rows())} rows)"
+                path += f" (panels by AMX tiles, bfloat16 x 3, up to {amx_max_rows()} rows)"
         return path
     return "torch"
 
@@ -121,14 +122,18 @@ def _kernel_for_input(x: torch.Tensor, limit: int | None = None):
     return _kernel()
 
 
+def amx_max_rows() -> int:
+    """The most rows the kernel takes for a call whose weights are all panels the AMX tiles multiply."""
+    return max(MAX_ROWS_AMX, max_rows())
+
+
 def _row_limit(blocks_args: dict) -> int:
     """The most rows the kernel takes for a call with these weights: more where every weight is a panel
     format the AMX tiles multiply (faster than torch's GEMM well past max_rows(), so that a verification
     forward's rows decode as a plain step's do)."""
     formats = blocks_args.get("formats", [])
-    panels = {FORMATS[name] for name in PANEL_FORMATS.values()}
-    if formats and all(f in panels for f in formats) and _kernel().amx_in_use():
-        return max(MAX_ROWS_AMX, max_rows())
+    if formats and all(f in _PANEL_IDS for f in formats) and _kernel().amx_in_use():
+        return amx_max_rows()
     return max_rows()
 
 

@@ -484,20 +484,16 @@ void amx_panel_linear(const float* x, int64_t M, int64_t K, const std::vector<co
                       const std::vector<int64_t>& widths, const std::vector<int64_t>& columns, int64_t N, float* out) {
   const int64_t parts = static_cast<int64_t>(panels.size()), blocks = K / kBlock;
   const int64_t row_tiles = (M + kTileRows - 1) / kTileRows;
-  std::vector<int64_t> first_task(parts + 1, 0);
-  bool any_q4 = false, any_q8 = false;
-  for (int64_t i = 0; i < parts; ++i) {
-    first_task[i + 1] = first_task[i] + widths[i] / kPanelOutputs;
-    (formats[i] == kQ8_0Panels ? any_q8 : any_q4) = true;
-  }
+  const bool any_q8 = std::find(formats.begin(), formats.end(), kQ8_0Panels) != formats.end();
+  const bool any_q4 = std::find(formats.begin(), formats.end(), kQ4_1Panels) != formats.end();
   // x split once per call for the orders present: [row tile][block][part][16][32] and sums [row tile][block][16]
   const int64_t part_words = blocks * kParts * kTileRows * kBlock;
   // the calling thread's scratch, grown on demand (every word read is written first); the tasks below
   // run on other threads too, so they are handed pointers, not the thread-local names
   static thread_local std::vector<uint16_t> split_q4_scratch, split_q8_scratch;
   static thread_local std::vector<float> sums_scratch;
-  for (auto* split : {&split_q4_scratch, &split_q8_scratch})
-    if (split->size() < static_cast<size_t>(row_tiles * part_words)) split->resize(row_tiles * part_words);
+  for (auto [split, needed] : {std::pair{&split_q4_scratch, any_q4}, std::pair{&split_q8_scratch, any_q8}})
+    if (needed && split->size() < static_cast<size_t>(row_tiles * part_words)) split->resize(row_tiles * part_words);
   if (sums_scratch.size() < static_cast<size_t>(row_tiles * blocks * kTileRows))
     sums_scratch.resize(row_tiles * blocks * kTileRows);
   uint16_t* const split_q4 = split_q4_scratch.data();
@@ -525,7 +521,7 @@ void amx_panel_linear(const float* x, int64_t M, int64_t K, const std::vector<co
       const bool q8 = formats[i] == kQ8_0Panels;
       const int64_t block_bytes = q8 ? kQ8PanelBlockBytes : kPanelBlockBytes;
       const uint8_t* panel = panels[i] + g * blocks * block_bytes;
-      const AmxTask task{panel, panel + blocks * block_bytes, q8, blocks, block_bytes,
+      const AmxTask task{panel, count == 2 ? panel + blocks * block_bytes : nullptr, q8, blocks, block_bytes,
                          q8 ? split_q8 : split_q4, part_words, sums, M,
                          biases[i] != nullptr ? biases[i] + n : nullptr, out + columns[i] + n, N, b_tiles.data()};
       if (count == 2)
