@@ -141,26 +141,29 @@ def test_panels_give_the_product_and_a_rows_bits_do_not_depend_on_its_batch(pane
         assert torch.equal(got, reverse.flip(0))
 
 
-def test_amx_panels_take_verification_rows_that_torch_took(panel_kernel):
-    """Past max_rows() (a verification forward's gamma + 1 rows per sequence) torch's GEMM takes float32
-    and AVX-512 panel calls; AMX panels stay in the kernel up to MAX_ROWS_AMX rows, so those rows get a
-    plain step's arithmetic (a row's bits the same as alone), then torch again."""
+def test_amx_panels_take_every_row_count_that_torch_took(panel_kernel):
+    """Past max_rows() (a verification forward's gamma + 1 rows per sequence, a prefill chunk) torch's
+    GEMM takes float32 and AVX-512 panel calls; AMX panels stay in the kernel at any number of rows (in
+    passes of 128), so those rows get a plain step's arithmetic: a row's bits the same as alone, across
+    the passes too. With the tiles switched off, torch again."""
     if not panel_kernel.amx_in_use():
         pytest.skip("no AMX tiles here (a CPU with AMX-BF16 and a kernel built for it)")
     blocks = quantised("q4_1", 32, 64, seed=7)
     weight, packed = dequantise(blocks, "q4_1"), PackedWeight("q4_1_panels", to_panels(blocks, "q4_1"))
-    limit = engine_linear.amx_max_rows()
     g = torch.Generator().manual_seed(7)
-    verify, beyond = torch.randn(engine_linear.max_rows() + 1, 64, generator=g), torch.randn(limit + 1, 64, generator=g)
-    got = engine_linear.linear(verify, weight, None, packed)
-    alone = torch.cat([engine_linear.linear(verify[r:r + 1], weight, None, packed) for r in range(len(verify))])
-    assert torch.equal(got, alone) and not torch.equal(got, F.linear(verify, weight))
-    assert torch.equal(engine_linear.linear(beyond, weight, None, packed), F.linear(beyond, weight))
-    previous = panel_kernel.use_amx(False)
-    try:
-        assert torch.equal(engine_linear.linear(verify, weight, None, packed), F.linear(verify, weight))
-    finally:
-        panel_kernel.use_amx(previous)
+    for rows in (engine_linear.max_rows() + 1, 300):  # a verification forward; a prefill chunk (3 passes)
+        x = torch.randn(rows, 64, generator=g)
+        got = engine_linear.linear(x, weight, None, packed)
+        alone = torch.cat([engine_linear.linear(x[r:r + 1], weight, None, packed) for r in range(rows)])
+        assert torch.equal(got, alone) and not torch.equal(got, F.linear(x, weight))
+        want = x.double() @ weight.double().T
+        bound = 4 * 64 * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T) + 1e-6
+        assert ((got.double() - want).abs() <= bound).all()
+        previous = panel_kernel.use_amx(False)
+        try:
+            assert torch.equal(engine_linear.linear(x, weight, None, packed), F.linear(x, weight))
+        finally:
+            panel_kernel.use_amx(previous)
 
 
 def test_panels_side_by_side_with_other_formats_keep_each_parts_bits(panel_kernel):

@@ -1,4 +1,5 @@
-"""The engine's linear layers for few rows: the fused CPU kernel's `small_linear` in decode steps.
+"""The engine's linear layers: the fused CPU kernel's `small_linear` for decode steps' few rows (and for
+every row count where the AMX tiles multiply GGUF panels, prefill chunks included).
 
 A decode, verification or draft forward multiplies a few rows (one to gamma + 1 per sequence) by
 every weight matrix; torch's CPU GEMM is slow at that shape (BENCHMARKS.md section 12: the kernel
@@ -23,15 +24,18 @@ the float32 copy. Where the kernel has AVX-512, Q4_1 and Q8_0 blocks are regroup
 panels, which it multiplies as an outer product (faster; other bits than the float32 kernel's, the same
 for a row whatever its batch); where the CPU has AMX tiles (and `MAGICDEC_AMX` is not "0") the panels
 are multiplied by them instead, x split into three bfloat16 parts so that every product is exact
-(float32 accuracy; other bits again, still the same for a row whatever its batch), up to
-`MAX_ROWS_AMX` rows. Not here: low-precision draft GEMMs (`engine.spec.draft.gemms`), sharded layers
-(DeepSpeed's keep their own forward), attention.
+(float32 accuracy; other bits again, still the same for a row whatever its batch), for any number of
+rows: decode steps, verification forwards and prefill chunks alike (faster than torch's GEMM from 1.5x
+at 16 rows of the lm_head to 1.4x at a 512-token chunk, BENCHMARKS.md sections 30 and 31). Not
+here: low-precision draft GEMMs (`engine.spec.draft.gemms`), sharded layers (DeepSpeed's keep their
+own forward), attention.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import os
 
 import torch
@@ -43,7 +47,6 @@ from engine.models.loading import GgufSource
 
 MAX_ROWS = 128  # AVX2: above this torch's GEMM is as fast (BENCHMARKS.md section 12)
 MAX_ROWS_AVX512 = 40  # AVX-512: from ~40 rows torch's GEMM is as fast (BENCHMARKS.md section 15)
-MAX_ROWS_AMX = 128  # GGUF panels by AMX tiles: 1.8x torch's GEMM at 64 rows, 1.6x at 96 (BENCHMARKS.md section 30)
 SWITCH_ENV = "MAGICDEC_SMALL_GEMM"  # "0": always torch's GEMM
 AMX_ENV = "MAGICDEC_AMX"  # "0": panels by AVX-512 FMAs even where the kernel has the AMX tiles
 BLOCKS_ENV = "MAGICDEC_GGUF_BLOCKS"  # "0": the kernel reads float32 weights even where blocks are attached
@@ -101,7 +104,7 @@ def linear_path(device: torch.device, dtype: torch.dtype, model: torch.nn.Module
             counts = ", ".join(f"{packed.count(name)} {FORMAT_NAMES[name]}" for name in sorted(set(packed)))
             path += f"; reads GGUF blocks for {counts} weights"
             if any(name in PANEL_FORMATS.values() for name in packed) and _kernel().amx_in_use():
-                path += f" (panels by AMX tiles, bfloat16 x 3, up to {amx_max_rows()} rows)"
+                path += " (panels by AMX tiles, bfloat16 x 3, any number of rows)"
         return path
     return "torch"
 
@@ -112,7 +115,7 @@ def _weights_fit(weights: list[torch.Tensor], biases: list[torch.Tensor | None])
             and all(b is None or b.dtype == torch.float32 for b in biases))
 
 
-def _kernel_for_input(x: torch.Tensor, limit: int | None = None):
+def _kernel_for_input(x: torch.Tensor, limit: float | None = None):
     """The kernel if it takes x [..., K] here (float32, 1..limit rows on CPU, max_rows() by default),
     else None; the weights are checked apart (`_weights_fit`, `_row_limit`)."""
     K = x.shape[-1]
@@ -122,18 +125,14 @@ def _kernel_for_input(x: torch.Tensor, limit: int | None = None):
     return _kernel()
 
 
-def amx_max_rows() -> int:
-    """The most rows the kernel takes for a call whose weights are all panels the AMX tiles multiply."""
-    return max(MAX_ROWS_AMX, max_rows())
-
-
-def _row_limit(blocks_args: dict) -> int:
-    """The most rows the kernel takes for a call with these weights: more where every weight is a panel
-    format the AMX tiles multiply (faster than torch's GEMM well past max_rows(), so that a verification
-    forward's rows decode as a plain step's do)."""
+def _row_limit(blocks_args: dict) -> float:
+    """The most rows the kernel takes for a call with these weights: any number where every weight is a
+    panel format the AMX tiles multiply (faster than torch's GEMM at every size measured, so decode steps,
+    verification forwards and prefill chunks all take them, and a row's bits never depend on its batch),
+    else max_rows()."""
     formats = blocks_args.get("formats", [])
     if formats and all(f in _PANEL_IDS for f in formats) and _kernel().amx_in_use():
-        return amx_max_rows()
+        return math.inf
     return max_rows()
 
 

@@ -338,6 +338,7 @@ struct alignas(64) TileConfig {  // palette 1: per tile register its rows and by
 };
 
 constexpr int kTileRows = 16, kParts = 3;
+constexpr int64_t kAmxSliceRows = 128;  // rows of x per amx_panel_linear pass (see small_linear_cat)
 
 // x rows [rows, K] of one row tile -> for each block b its A parts [kParts][16 rows][32 bf16] (rows past
 // `rows` untouched: the tiles are configured to `rows` rows) and each row's sum of the block's 32 x
@@ -654,7 +655,11 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
     if (!panels.empty()) {
 #ifdef MAGICDEC_AMX
       if (amx_in_use())
-        amx_panel_linear(xp, M, K, panels, panel_formats, panel_biases, panel_widths, panel_columns, N, op);
+        // at most kAmxSliceRows rows a pass: every panel pair re-reads the split x, which then stays in
+        // the core's caches (a 512-row prefill chunk in one pass: 1.04x torch's GEMM; in four: 1.4x)
+        for (int64_t m = 0; m < M; m += kAmxSliceRows)
+          amx_panel_linear(xp + m * K, std::min(kAmxSliceRows, M - m), K, panels, panel_formats, panel_biases,
+                           panel_widths, panel_columns, N, op + m * N);
       else
 #endif
         panel_linear(xp, M, K, panels, panel_formats, panel_biases, panel_widths, panel_columns, N, op);
