@@ -67,11 +67,6 @@ def main() -> None:
         for name, groups in parts.items():
             # per call: x, weights, blocks
             calls = [(xs[g[0].weight.shape[1]], [m.weight for m in g], [m.packed for m in g]) for g in groups]
-            # the same blocks as the dot-product tiles read them (panels regrouped back)
-            def as_blocks(p):
-                fmt = BLOCKS_OF_PANELS.get(p.format)
-                return PackedWeight(fmt, from_panels(p.blocks, fmt)) if fmt else p
-
             dot_calls = [(x, ws, [as_blocks(p) for p in ps]) for x, ws, ps in calls]
 
             def reading(chosen, amx=False):
@@ -97,7 +92,7 @@ def main() -> None:
                     timed["panels_amx"] = reading(calls, amx=True)
             reference = from_float32()
             assert all(torch.equal(a, b) for a, b in zip(timed["blocks"](), reference)), name
-            for panels in [name for name in ("panels", "panels_amx") if name in timed]:
+            for panels in [key for key in ("panels", "panels_amx") if key in timed]:
                 assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(timed[panels](), reference))
             flush = torch.ones(args.flush_mb * 2**20 // 4) if args.flush_mb else None
             times = interleaved_medians(timed, args.repeats, before=flush.sum if flush is not None else None)
@@ -117,6 +112,12 @@ def main() -> None:
            "blocks_bit_equal_to_float32": True, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
+
+
+def as_blocks(p: PackedWeight) -> PackedWeight:
+    """The same blocks as the dot-product tiles read them (panels regrouped back)."""
+    fmt = BLOCKS_OF_PANELS.get(p.format)
+    return PackedWeight(fmt, from_panels(p.blocks, fmt)) if fmt else p
 
 
 def interleaved_medians(timed: dict, repeats: int, before=None) -> dict[str, float]:

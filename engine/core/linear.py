@@ -115,12 +115,12 @@ def _weights_fit(weights: list[torch.Tensor], biases: list[torch.Tensor | None])
             and all(b is None or b.dtype == torch.float32 for b in biases))
 
 
-def _kernel_for_input(x: torch.Tensor, limit: float | None = None):
-    """The kernel if it takes x [..., K] here (float32, 1..limit rows on CPU, max_rows() by default),
-    else None; the weights are checked apart (`_weights_fit`, `_row_limit`)."""
+def _kernel_for_input(x: torch.Tensor, limit: float):
+    """The kernel if it takes x [..., K] here (float32, 1..limit rows on CPU), else None; the weights
+    are checked apart (`_weights_fit`, `_row_limit`)."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if not (0 < rows <= (limit or max_rows()) and x.device.type == "cpu" and x.dtype == torch.float32):
+    if not (0 < rows <= limit and x.device.type == "cpu" and x.dtype == torch.float32):
         return None
     return _kernel()
 
@@ -191,10 +191,10 @@ def linear_map(modules: list[torch.nn.Linear]):
     fit = _weights_fit(weights, biases)
     kernel_biases = _contiguous(biases)
     blocks_args = _blocks_args([getattr(m, "packed", None) for m in modules])
-    limit = _row_limit(blocks_args) if fit and _kernel() is not None else None
+    limit = _row_limit(blocks_args) if fit and _kernel() is not None else 0  # 0: never the kernel
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        kernel = _kernel_for_input(x, limit) if fit else None
+        kernel = _kernel_for_input(x, limit)
         if kernel is not None:
             return _small_linear(kernel, x, weights, kernel_biases, blocks_args)
         return _torch_linear(x, weights, biases)

@@ -35,9 +35,10 @@
 // whatever M and the row tiling, so a row's result still does not depend on its batch; its bits
 // differ from the float32 kernel's (another summation order). Where the build and the CPU have AMX
 // tiles, the panels are multiplied by them instead (`amx_panel_linear`: x in three bfloat16 parts,
-// float32 accuracy, a row's bits again independent of its batch; `use_amx(false)` switches back).
-// Not here: any other dtype (bfloat16/int8 draft GEMMs live in engine/spec/draft/gemms.py), many-row
-// GEMMs (prefill chunks keep torch's), weights that are not contiguous.
+// float32 accuracy, a row's bits again independent of its batch; `use_amx(false)` switches back), for
+// any number of rows, prefill chunks included. Not here: any other dtype (bfloat16/int8 draft GEMMs
+// live in engine/spec/draft/gemms.py), many-row GEMMs without AMX (prefill chunks keep torch's
+// there), weights that are not contiguous.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -338,7 +339,7 @@ struct alignas(64) TileConfig {  // palette 1: per tile register its rows and by
 };
 
 constexpr int kTileRows = 16, kParts = 3;
-constexpr int64_t kAmxSliceRows = 128;  // rows of x per amx_panel_linear pass (see small_linear_cat)
+constexpr int64_t kAmxPassRows = 128;  // rows of x per amx_panel_pass (see amx_panel_linear)
 
 // x rows [rows, K] of one row tile -> for each block b its A parts [kParts][16 rows][32 bf16] (rows past
 // `rows` untouched: the tiles are configured to `rows` rows) and each row's sum of the block's 32 x
@@ -479,8 +480,8 @@ void amx_panels(const AmxTask& task, int64_t& configured_rows) {
   }
 }
 
-// panel_linear by the tile unit (same arguments and outputs layout).
-void amx_panel_linear(const float* x, int64_t M, int64_t K, const std::vector<const uint8_t*>& panels,
+// One pass of amx_panel_linear over M <= kAmxPassRows rows.
+void amx_panel_pass(const float* x, int64_t M, int64_t K, const std::vector<const uint8_t*>& panels,
                       const std::vector<int64_t>& formats, const std::vector<const float*>& biases,
                       const std::vector<int64_t>& widths, const std::vector<int64_t>& columns, int64_t N, float* out) {
   const int64_t parts = static_cast<int64_t>(panels.size()), blocks = K / kBlock;
@@ -532,6 +533,17 @@ void amx_panel_linear(const float* x, int64_t M, int64_t K, const std::vector<co
     }
     _tile_release();
   });
+}
+
+// panel_linear by the tile unit (same arguments and outputs layout), at most kAmxPassRows rows a pass:
+// every panel pair re-reads the pass's split x, which then stays in the core's caches (a 512-row
+// prefill chunk in one pass: 1.04x torch's GEMM; in four: 1.4x, BENCHMARKS.md section 31).
+void amx_panel_linear(const float* x, int64_t M, int64_t K, const std::vector<const uint8_t*>& panels,
+                      const std::vector<int64_t>& formats, const std::vector<const float*>& biases,
+                      const std::vector<int64_t>& widths, const std::vector<int64_t>& columns, int64_t N, float* out) {
+  for (int64_t m = 0; m < M; m += kAmxPassRows)
+    amx_panel_pass(x + m * K, std::min(kAmxPassRows, M - m), K, panels, formats, biases, widths, columns, N,
+                   out + m * N);
 }
 #endif  // MAGICDEC_AMX
 
@@ -655,11 +667,7 @@ torch::Tensor small_linear_cat(torch::Tensor x, std::vector<torch::Tensor> weigh
     if (!panels.empty()) {
 #ifdef MAGICDEC_AMX
       if (amx_in_use())
-        // at most kAmxSliceRows rows a pass: every panel pair re-reads the split x, which then stays in
-        // the core's caches (a 512-row prefill chunk in one pass: 1.04x torch's GEMM; in four: 1.4x)
-        for (int64_t m = 0; m < M; m += kAmxSliceRows)
-          amx_panel_linear(xp + m * K, std::min(kAmxSliceRows, M - m), K, panels, panel_formats, panel_biases,
-                           panel_widths, panel_columns, N, op + m * N);
+        amx_panel_linear(xp, M, K, panels, panel_formats, panel_biases, panel_widths, panel_columns, N, op);
       else
 #endif
         panel_linear(xp, M, K, panels, panel_formats, panel_biases, panel_widths, panel_columns, N, op);
