@@ -112,7 +112,7 @@ struct MassOut {
 // Per-thread scratch, grown on demand and kept between tasks (a fresh large allocation per task
 // would be an mmap and page faults every time).
 struct Scratch {
-  std::vector<float> buf[8];
+  AlignedVector<float> buf[8];
   float* get(int i, size_t n) {
     if (buf[i].size() < n) buf[i].resize(n);
     return buf[i].data();

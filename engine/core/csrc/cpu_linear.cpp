@@ -370,26 +370,36 @@ void split_rows(const float* x, int64_t rows, int64_t K, bool q4, uint16_t* part
     }
 }
 
-// B of a panel block [16 pairs j][16 outputs][2 bf16] into `tile` (1 KB): Q4_1 pair j of output i = the
-// two nibbles of byte i of the block's row j; Q8_0 = its weights 2j, 2j + 1.
+// bfloat16 bits of 0..15, twice: _mm512_permutexvar_epi16 reads bits 4:0 of each index word, so bit 4
+// (whatever the byte above the nibble holds) picks the same value
+alignas(64) constexpr uint16_t kNibbleBf16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+// B of a panel block [16 pairs j][16 outputs][2 bf16] into `tile` (1 KB, 64-byte aligned): Q4_1 pair j
+// of output i = the two nibbles of byte i of the block's row j, looked up as bfloat16 (each byte b as
+// the dword b | b << 12: its low word's bits 3:0 hold the low nibble, its high word's the high one);
+// Q8_0 = its weights 2j, 2j + 1, through float32.
 inline void build_b(const uint8_t* block, bool q4, uint16_t* tile) {
+  if (q4) {
+    const __m512i table = _mm512_load_si512(kNibbleBf16);
+    for (int j = 0; j < 16; ++j) {
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 16 * j)));
+      const __m512i index = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12));
+      _mm512_store_si512(tile + 32 * j, _mm512_permutexvar_epi16(index, table));
+    }
+    return;
+  }
   const __m512i high_word = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int j = 0; j < 16; ++j) {
-    __m512 first, second;  // the pair's two weights of the 16 outputs, as float32 (exact)
-    if (q4) {
-      const __m128i row = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 16 * j));
-      const __m512i bytes = _mm512_cvtepu8_epi32(row);
-      first = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
-      second = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-    } else {
-      const uint8_t* row = block + 32 + 32 * j;
-      first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-      second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
-    }
+    const uint8_t* row = block + 32 + 32 * j;
+    const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+    const __m512 second =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
     // small integers are exact in bfloat16: the high half of their float32 bits
     const __m512i pair = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(first), 16),
                                          _mm512_and_si512(_mm512_castps_si512(second), high_word));
-    _mm512_storeu_si512(tile + 32 * j, pair);
+    _mm512_store_si512(tile + 32 * j, pair);
   }
 }
 
@@ -492,7 +502,9 @@ void amx_panel_pass(const float* x, int64_t M, int64_t K, const std::vector<cons
   const int64_t part_words = blocks * kParts * kTileRows * kBlock;
   // the calling thread's scratch, grown on demand (every word read is written first); the tasks below
   // run on other threads too, so they are handed pointers, not the thread-local names
-  static thread_local std::vector<uint16_t> split_q4_scratch, split_q8_scratch;
+  // (cache-line aligned: a tile row straddling two lines loads several times slower, BENCHMARKS.md
+  // section 32)
+  static thread_local magicdec_vec::AlignedVector<uint16_t> split_q4_scratch, split_q8_scratch;
   static thread_local std::vector<float> sums_scratch;
   for (auto [split, needed] : {std::pair{&split_q4_scratch, any_q4}, std::pair{&split_q8_scratch, any_q8}})
     if (needed && split->size() < static_cast<size_t>(row_tiles * part_words)) split->resize(row_tiles * part_words);
@@ -512,7 +524,7 @@ void amx_panel_pass(const float* x, int64_t M, int64_t K, const std::vector<cons
   std::vector<int64_t> first_pair(parts + 1, 0);
   for (int64_t i = 0; i < parts; ++i) first_pair[i + 1] = first_pair[i] + (widths[i] / kPanelOutputs + 1) / 2;
   at::parallel_for(0, first_pair[parts], 1, [&](int64_t first, int64_t last) {
-    static thread_local std::vector<uint16_t> b_tiles;  // a task's panels' B tiles [2][blocks][512], for row tiles
+    static thread_local magicdec_vec::AlignedVector<uint16_t> b_tiles;  // a task's panels' B tiles [2][blocks][512], for row tiles
     if (b_tiles.size() < static_cast<size_t>(2 * blocks * 512)) b_tiles.resize(2 * blocks * 512);
     int64_t configured_rows = -1;
     int64_t i = 0;

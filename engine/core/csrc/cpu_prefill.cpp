@@ -78,7 +78,7 @@ struct Task {
 
 // Per-thread scratch, grown on demand and kept between calls.
 struct Scratch {
-  std::vector<float> buf[6];
+  AlignedVector<float> buf[6];
   float* get(int i, size_t n) {
     if (buf[i].size() < n) buf[i].resize(n);
     return buf[i].data();

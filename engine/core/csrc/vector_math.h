@@ -1,13 +1,17 @@
-// The small numeric pieces both attention kernels share (cpu_attention.cpp for a few new tokens per
-// row, cpu_prefill.cpp for prefill chunks): the softmax constants, bfloat16 -> float32, and, where the
-// build has AVX2 + FMA, 8-lane loads (float32 or bfloat16), horizontal max / sum and a vectorised
-// base-2 exponential for non-positive arguments. Each kernel keeps its own tiling and tasks; this
-// header holds no kernel. It is compiled into each translation unit (everything is inline).
+// The small numeric pieces the kernels share (cpu_attention.cpp for a few new tokens per row,
+// cpu_prefill.cpp for prefill chunks, cpu_linear.cpp): the softmax constants, bfloat16 -> float32, an
+// allocator for cache-line-aligned scratch, and, where the build has AVX2 + FMA, 8-lane loads (float32
+// or bfloat16), horizontal max / sum and a vectorised base-2 exponential for non-positive arguments.
+// Each kernel keeps its own tiling and tasks; this header holds no kernel. It is compiled into each
+// translation unit (everything is inline).
 
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <new>
+#include <vector>
 
 #if defined(__AVX512F__)
 #define MAGICDEC_AVX512 1
@@ -29,6 +33,25 @@ constexpr float kExpFloor = -125.0f;           // 2^x below this is ~0 for softm
 // relative error 2.3e-7 in float32), 2^n added into the exponent bits.
 constexpr float kExpC5 = 1.32764e-3f, kExpC4 = 9.67554e-3f, kExpC3 = 5.550713e-2f, kExpC2 = 0.2402212f,
                 kExpC1 = 0.69314694f, kExpC0 = 1.0000001f;
+
+// Scratch vectors whose data starts on a cache line (std::vector's own start on 16 bytes): a 64-byte
+// vector load, or a row of an AMX tile load, that straddles two cache lines costs up to several times
+// one that does not (BENCHMARKS.md section 32).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t bits) {  // bfloat16: the top half of a float32
