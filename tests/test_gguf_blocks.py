@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from conftest import make_tiny
 from engine.core import linear as engine_linear
 from engine.core.kernels import load as load_kernels
+from engine.spec.draft.gemms import INT8, resolve_linear_dtype
 from engine.models.gguf_blocks import (BLOCK_BYTES, BLOCKS_OF_PANELS, PANEL_FORMATS, PackedWeight,
                                        attach_gguf_blocks, dequantise, from_panels, to_panels, unpermute_rope_rows)
 
@@ -164,6 +165,31 @@ def test_amx_panels_take_every_row_count_that_torch_took(panel_kernel):
             assert torch.equal(engine_linear.linear(x, weight, None, packed), F.linear(x, weight))
         finally:
             panel_kernel.use_amx(previous)
+
+
+def test_auto_draft_gemms_are_the_models_own_where_the_amx_panels_take_every_linear(panel_kernel):
+    """draft.linear_dtype auto keeps a float32 model's own GEMMs (None) when every one of its linears
+    runs in the AMX panels; a linear without panels, or the tiles switched off, gives the CPU's
+    low-precision dtype again, as does asking without the model (the memory check)."""
+    if not panel_kernel.amx_in_use():
+        pytest.skip("no AMX tiles here (a CPU with AMX-BF16 and a kernel built for it)")
+    cpu = torch.device("cpu")
+    low = resolve_linear_dtype("auto", torch.float32, cpu)
+    assert low is not None  # a CPU with AMX-BF16 has native bf16 dot products
+    blocks = quantised("q4_1", 32, 64, seed=8)
+    layer = engine_linear.EngineLinear(64, 32, bias=False)
+    layer.weight.data = dequantise(blocks, "q4_1")
+    layer.packed = PackedWeight("q4_1_panels", to_panels(blocks, "q4_1"))
+    model = torch.nn.Sequential(layer)
+    assert engine_linear.amx_panels_take([layer])
+    assert resolve_linear_dtype("auto", torch.float32, cpu, model) is None
+    assert resolve_linear_dtype("int8", torch.float32, cpu, model) == INT8  # asked for: kept
+    assert resolve_linear_dtype("auto", torch.float32, cpu, torch.nn.Sequential(layer, torch.nn.Linear(32, 8))) == low
+    previous = panel_kernel.use_amx(False)
+    try:
+        assert resolve_linear_dtype("auto", torch.float32, cpu, model) == low
+    finally:
+        panel_kernel.use_amx(previous)
 
 
 def test_panels_side_by_side_with_other_formats_keep_each_parts_bits(panel_kernel):

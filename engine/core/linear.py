@@ -109,6 +109,16 @@ def linear_path(device: torch.device, dtype: torch.dtype, model: torch.nn.Module
     return "torch"
 
 
+def amx_panels_take(modules: list[torch.nn.Module]) -> bool:
+    """Whether every one of these linears runs in the AMX panel kernel here, whatever its rows: float32
+    weights kept as GGUF panels (`keep_gguf_blocks`), a CPU whose tiles multiply them, the kernel on."""
+    if not modules or _kernel() is None or not _kernel().amx_in_use():
+        return False
+    packed = [getattr(m, "packed", None) for m in modules]
+    return (_weights_fit([m.weight for m in modules], [m.bias for m in modules])
+            and all(p is not None and p.format in _blocks_read() and FORMATS[p.format] in _PANEL_IDS for p in packed))
+
+
 def _weights_fit(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> bool:
     """Whether the kernel takes these weights and biases (float32, weights contiguous)."""
     return (all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)

@@ -34,7 +34,7 @@ def draft_forward_for(setting: str, runner: ModelRunner, compressor: Compressor,
     """The draft step for `draft.linear_dtype` = setting: the lean forward where `supports` says so
     (its compressor then keeps a StreamingLLM/SnapKV view in a compact store, before any prefill;
     extra = gamma_max + 1), else transformers' forward with the draft GEMMs switched on."""
-    dtype = resolve_linear_dtype(setting, runner.model.dtype, runner.device)
+    dtype = resolve_linear_dtype(setting, runner.model.dtype, runner.device, runner.model)
     if supports(runner.model, runner.cache.k.dtype, runner.device):
         compressor.enable_compact(extra=extra, copy_committed=self_speculation)
         return LeanDraft.for_model(runner.model, dtype)

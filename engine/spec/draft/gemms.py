@@ -11,7 +11,11 @@ time in bfloat16 than in float32 (the draft's cost there is its GEMMs, see BENCH
 "int8" is int8 weights with dynamically quantised int8 activations: each weight row (output
 channel) is quantised symmetrically with its own scale, and each call quantises its input on the fly
 (`torch.ops.quantized.linear_dynamic`, fbgemm/x86 CPUs only). With VNNI dot products it is another
-2x cheaper than bfloat16 at batch 16, for a few points of acceptance (BENCHMARKS.md).
+2x cheaper than bfloat16 at batch 16, for a few points of acceptance (BENCHMARKS.md). Where the AMX
+tiles multiply the model's own GGUF panels (`engine.core.linear.amx_panels_take`), those float32
+GEMMs cost a draft step what int8 does, so "auto" keeps them: the draft then computes with the
+target's exact weights (acceptance 0.84 against int8's 0.69 on the code prompts, BENCHMARKS.md
+section 32).
 
 `resolve_linear_dtype` reads the recipe's `draft.linear_dtype`; `make_linear` is one low-precision
 linear map (the lean draft forward, `engine.draft_forward`, fuses several into one). Not here: the
@@ -29,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.kernels import cpu_flags
-from engine.core.linear import is_plain_linear
+from engine.core.linear import amx_panels_take, is_plain_linear
 from engine.errors import JobError
 from engine.models.loading import TORCH_DTYPES
 
@@ -39,11 +43,14 @@ INT8 = torch.qint8  # marks int8 weights with dynamically quantised activations
 _DTYPES = {**TORCH_DTYPES, "int8": INT8}  # draft.linear_dtype name -> the dtype of its GEMMs
 
 
-def resolve_linear_dtype(setting: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+def resolve_linear_dtype(setting: str, model_dtype: torch.dtype, device: torch.device,
+                         model: torch.nn.Module | None = None) -> torch.dtype | None:
     """The dtype for the draft's GEMMs, or None for "the model's own" (nothing to do).
 
-    "auto", for a float32 model on a CPU: int8 where the CPU has VNNI int8 dot products (and torch its
-    x86 quantized engine), else bfloat16 where it has native bf16 dot products; otherwise None.
+    "auto", for a float32 model on a CPU: None where `model` (the loaded draft, if given) has every
+    linear layer in the AMX panel kernel; else int8 where the CPU has VNNI int8 dot products (and torch
+    its x86 quantized engine), else bfloat16 where it has native bf16 dot products; otherwise None.
+    Without `model` (the memory check, before loading) the low-precision answer stands: an upper bound.
     """
     if setting == "same":
         return None
@@ -51,6 +58,8 @@ def resolve_linear_dtype(setting: str, model_dtype: torch.dtype, device: torch.d
         raise JobError("draft.linear_dtype: int8 needs a CPU with torch's x86/fbgemm quantized engine")
     if setting == "auto":
         if device.type != "cpu" or model_dtype != torch.float32:
+            return None
+        if model is not None and amx_panels_take([m for m in model.modules() if is_plain_linear(m)]):
             return None
         flags = cpu_flags().split()
         if any(flag in flags for flag in VNNI_FLAGS) and int8_supported():
