@@ -324,7 +324,8 @@ void panel_linear(const float* x, int64_t M, int64_t K, const std::vector<const 
 // other's. One decode step's GEMMs of the default model as the lean stack calls them, against the
 // AVX-512 panels (layers / lm_head): 1.07x / 1.44x at 16 rows, 1.55x / 1.72x at 64 (1.83x torch's GEMM,
 // which took those rows before), but 0.76x / 0.73x at 1 row: building B costs what the AVX-512
-// kernel's one row of FMAs does (BENCHMARKS.md section 30).
+// kernel's one row of FMAs does (BENCHMARKS.md section 30); with the scratch on cache lines, 1.40x /
+// 1.71x at 16 rows (section 32).
 bool g_amx_on = true;  // tests switch it off to compare with the AVX-512 panels
 
 bool amx_permitted() {  // Linux lends the tile registers' state to a process that asks (once)
