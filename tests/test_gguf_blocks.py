@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from conftest import make_tiny
 from engine.core import linear as engine_linear
 from engine.core.kernels import load as load_kernels
-from engine.spec.draft.gemms import INT8, resolve_linear_dtype
 from engine.models.gguf_blocks import (BLOCK_BYTES, BLOCKS_OF_PANELS, PANEL_FORMATS, PackedWeight,
                                        attach_gguf_blocks, dequantise, from_panels, to_panels, unpermute_rope_rows)
+from engine.spec.draft.gemms import INT8, resolve_linear_dtype
 
 QTYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 

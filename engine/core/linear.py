@@ -112,11 +112,10 @@ def linear_path(device: torch.device, dtype: torch.dtype, model: torch.nn.Module
 def amx_panels_take(modules: list[torch.nn.Module]) -> bool:
     """Whether every one of these linears runs in the AMX panel kernel here, whatever its rows: float32
     weights kept as GGUF panels (`keep_gguf_blocks`), a CPU whose tiles multiply them, the kernel on."""
-    if not modules or _kernel() is None or not _kernel().amx_in_use():
+    if not modules or _kernel() is None:
         return False
-    packed = [getattr(m, "packed", None) for m in modules]
     return (_weights_fit([m.weight for m in modules], [m.bias for m in modules])
-            and all(p is not None and p.format in _blocks_read() and FORMATS[p.format] in _PANEL_IDS for p in packed))
+            and _all_amx_panels(_blocks_args([getattr(m, "packed", None) for m in modules])))
 
 
 def _weights_fit(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> bool:
@@ -140,10 +139,14 @@ def _row_limit(blocks_args: dict) -> float:
     panel format the AMX tiles multiply (faster than torch's GEMM at every size measured, so decode steps,
     verification forwards and prefill chunks all take them, and a row's bits never depend on its batch),
     else max_rows()."""
+    return math.inf if _all_amx_panels(blocks_args) else max_rows()
+
+
+def _all_amx_panels(blocks_args: dict) -> bool:
+    """Whether every weight of a call with these blocks arguments (`_blocks_args`) is a panel format the
+    AMX tiles multiply here (a weight without blocks read here has format 0)."""
     formats = blocks_args.get("formats", [])
-    if formats and all(f in _PANEL_IDS for f in formats) and _kernel().amx_in_use():
-        return math.inf
-    return max_rows()
+    return bool(formats) and all(f in _PANEL_IDS for f in formats) and _kernel().amx_in_use()
 
 
 def _blocks_args(packed: list[PackedWeight | None]) -> dict:

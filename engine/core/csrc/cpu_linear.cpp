@@ -525,7 +525,8 @@ void amx_panel_pass(const float* x, int64_t M, int64_t K, const std::vector<cons
   std::vector<int64_t> first_pair(parts + 1, 0);
   for (int64_t i = 0; i < parts; ++i) first_pair[i + 1] = first_pair[i] + (widths[i] / kPanelOutputs + 1) / 2;
   at::parallel_for(0, first_pair[parts], 1, [&](int64_t first, int64_t last) {
-    static thread_local magicdec_vec::AlignedVector<uint16_t> b_tiles;  // a task's panels' B tiles [2][blocks][512], for row tiles
+    // a task's panels' B tiles [2][blocks][512], for row tiles (cache-line aligned, as the split parts)
+    static thread_local magicdec_vec::AlignedVector<uint16_t> b_tiles;
     if (b_tiles.size() < static_cast<size_t>(2 * blocks * 512)) b_tiles.resize(2 * blocks * 512);
     int64_t configured_rows = -1;
     int64_t i = 0;
