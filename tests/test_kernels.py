@@ -36,7 +36,7 @@ def load_w16_emulation():
 
     csrc = cpu_kernels.SOURCES[0].parent
     key = hashlib.sha256(W16_SOURCE.read_bytes() + (csrc / "cpu_prefill.cpp").read_bytes()
-                         + (csrc / "vector_math.h").read_bytes()
+                         + (csrc / "vector_math.h").read_bytes() + (csrc / "amx_tiles.h").read_bytes()
                          + cpu_kernels.cpu_flags().encode()).hexdigest()[:12]
     build = cache_root() / "torch_extensions" / f"magicdec_prefill_w16_{key}"
     build.mkdir(parents=True, exist_ok=True)
@@ -63,6 +63,24 @@ def path(request, kernels):
         pytest.skip("no vector path compiled in")
     yield request.param
     kernels.use_vector_path(True)
+
+
+@pytest.fixture(params=["amx", "vector", "portable"])
+def prefill_path(request, kernels):
+    """The prefill task: on the AMX tile unit (head sizes that are multiples of 32), the vector task
+    (AVX-512 or AVX2; other head sizes take it on the AMX path too), or the portable one."""
+    previous = kernels.use_amx(True)
+    if request.param == "amx" and not kernels.prefill_amx_in_use():
+        kernels.use_amx(previous)
+        pytest.skip("no AMX tiles here (the CPU or the build lacks AMX-BF16, or Linux did not lend them)")
+    kernels.use_amx(request.param == "amx")
+    compiled = kernels.use_vector_path(request.param != "portable")
+    if request.param == "vector" and not compiled:
+        kernels.use_amx(previous)
+        pytest.skip("no vector path compiled in")
+    yield request.param
+    kernels.use_vector_path(True)
+    kernels.use_amx(previous)
 
 
 def close(out, ref):
@@ -308,7 +326,7 @@ def segments(lengths, starts, slots, gaps=None):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", HEAD_DIMS)
-def test_prefill_ragged(kernels, path, dtype, D):
+def test_prefill_ragged(kernels, prefill_path, dtype, D):
     """Ragged segments (lengths 1, 7, 64, 65, 200; starts 0, 63, 64, 1000) in different slots."""
     H, KVH = 6, 2
     k, v = make_cache(4, KVH, 1300, D, dtype)
@@ -322,7 +340,7 @@ def test_prefill_ragged(kernels, path, dtype, D):
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (14, 2)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_groups(kernels, path, heads, kv_heads, dtype):
+def test_prefill_groups(kernels, prefill_path, heads, kv_heads, dtype):
     """GQA group sizes 3, 1, 8, 7 (tiles of 32, 96, 12, 13 tokens: full and ragged register tiles)."""
     D = 64
     k, v = make_cache(2, kv_heads, 700, D, dtype)
@@ -333,7 +351,7 @@ def test_prefill_groups(kernels, path, heads, kv_heads, dtype):
 
 
 @pytest.mark.parametrize("D", [1, 8, 20, 136, 256])
-def test_prefill_other_head_sizes(kernels, path, D):
+def test_prefill_other_head_sizes(kernels, prefill_path, D):
     """Head sizes outside 16..128 or not multiples of 16 (vector path where D % 8 == 0)."""
     H, KVH = 4, 2
     k, v = make_cache(2, KVH, 300, D, torch.bfloat16)
@@ -343,7 +361,7 @@ def test_prefill_other_head_sizes(kernels, path, D):
     close(out, reference_prefill(q, k, v, seg_slot, seg_start, seg_offset, seg_len, D ** -0.5))
 
 
-def test_prefill_uncovered_tokens_and_empty_segments(kernels, path):
+def test_prefill_uncovered_tokens_and_empty_segments(kernels, prefill_path):
     """Tokens between segments come out as zeros; an empty segment is allowed."""
     D, H, KVH = 32, 4, 2
     k, v = make_cache(2, KVH, 200, D, torch.float32)
@@ -354,7 +372,7 @@ def test_prefill_uncovered_tokens_and_empty_segments(kernels, path):
     assert torch.all(out[:2] == 0) and torch.all(out[12:15] == 0) and torch.all(out[20:] == 0)
 
 
-def test_prefill_matches_decode(kernels, path):
+def test_prefill_matches_decode(kernels, prefill_path):
     """A one-token segment is a decode step: prefill_attention agrees with attend_cached."""
     D, H, KVH, end = 64, 9, 3, 777
     k, v = make_cache(2, KVH, 1000, D, torch.bfloat16)
@@ -364,6 +382,26 @@ def test_prefill_matches_decode(kernels, path):
     dq = (q * D ** -0.5).reshape(1, KVH, H // KVH, D)  # [B, KVH, group * T, D] with T = 1
     dec = kernels.attend_cached(dq, k, v, torch.tensor([1]), torch.tensor([end]), 1)
     close(out, dec.reshape(1, H, D).double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [32, 64, 40])
+def test_prefill_rows_do_not_depend_on_the_split(kernels, prefill_path, dtype, D):
+    """A query row's output is the same bits whichever forward, segment or tile it comes in (what keeps a
+    prompt's prefill, with or without prefix reuse or packing, the same): 300 tokens of one slot in one
+    segment, then the first 299 of them as segments of 1, 45, 130 and 123 tokens at their positions,
+    packed in another order with another slot's segment between them."""
+    H, KVH = 9, 3
+    k, v = make_cache(3, KVH, 600, D, dtype)
+    q = torch.randn(300, H, D, generator=torch.Generator().manual_seed(11))
+    one = kernels.prefill_attention(q, k, v, *segments([300], [200], [2])[:4], D ** -0.5)
+    other = torch.randn(17, H, D, generator=torch.Generator().manual_seed(12))
+    packed = torch.cat([q[176:299], other, q[0:1], q[1:46], q[46:176]])
+    seg_slot, seg_start, seg_offset, seg_len, _ = segments([123, 17, 1, 45, 130], [376, 50, 200, 201, 246],
+                                                           [2, 0, 2, 2, 2])
+    out = kernels.prefill_attention(packed, k, v, seg_slot, seg_start, seg_offset, seg_len, D ** -0.5)
+    again = torch.cat([out[140:141], out[141:186], out[186:316], out[0:123]])
+    assert torch.equal(again, one[:299])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

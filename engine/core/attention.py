@@ -165,8 +165,9 @@ def attention_paths(device: torch.device, cache_dtype: torch.dtype) -> dict[str,
         why = "no compiled CPU kernel" if cache_dtype in KERNEL_CACHE_DTYPES else f"{cache_dtype} cache"
         return {"decode": f"torch ({why})", "draft_view": f"torch gather ({why})", "prefill": f"torch ({why})"}
     isa = kernel.vector_isa()
-    return {"decode": f"fused CPU kernel ({isa})", "draft_view": f"fused CPU kernel ({isa})",
-            "prefill": f"fused CPU prefill kernel ({isa})"}
+    prefill = f"fused CPU prefill kernel ({isa}"
+    prefill += ", AMX tiles for head sizes that are multiples of 32)" if kernel.prefill_amx_in_use() else ")"
+    return {"decode": f"fused CPU kernel ({isa})", "draft_view": f"fused CPU kernel ({isa})", "prefill": prefill}
 
 
 def _register() -> None:

@@ -28,7 +28,9 @@ from engine.steps import step, waiting
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_draft_ops.cpp", "cpu_guided.cpp",
                         "cpu_linear.cpp")]
-HEADERS = [Path(__file__).with_name("csrc") / "vector_math.h"]  # included by the sources, copied beside them
+# included by the sources, copied beside them
+HEADERS = [Path(__file__).with_name("csrc") / name for name in ("vector_math.h", "amx_tiles.h")]
+AMX_ENV = "MAGICDEC_AMX"  # "0": no AMX tiles (GEMM panels by AVX-512 FMAs, prefill attention by the vector task)
 REQUIRE_ENV = "MAGICDEC_REQUIRE_KERNEL"  # "1": a failed build raises instead of falling back to torch
 _state: dict[str, object] = {}
 log = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ def load():
                 raise RuntimeError(f"the fused CPU kernel failed to build ({REQUIRE_ENV}=1)") from exc
             log.warning("fused CPU attention unavailable, using the torch path: %s",
                         str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+    if module is not None and os.environ.get(AMX_ENV, "1") == "0":
+        module.use_amx(False)
     _state["module"] = module
     return module
 

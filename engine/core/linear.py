@@ -48,7 +48,6 @@ from engine.models.loading import GgufSource
 MAX_ROWS = 128  # AVX2: above this torch's GEMM is as fast (BENCHMARKS.md section 12)
 MAX_ROWS_AVX512 = 40  # AVX-512: from ~40 rows torch's GEMM is as fast (BENCHMARKS.md section 15)
 SWITCH_ENV = "MAGICDEC_SMALL_GEMM"  # "0": always torch's GEMM
-AMX_ENV = "MAGICDEC_AMX"  # "0": panels by AVX-512 FMAs even where the kernel has the AMX tiles
 BLOCKS_ENV = "MAGICDEC_GGUF_BLOCKS"  # "0": the kernel reads float32 weights even where blocks are attached
 # block formats -> the kernel's ids (cpu_linear.cpp's WeightFormat); *_panels: regrouped by 16 outputs
 FORMATS = {"q4_1": 1, "q8_0": 2, "q4_1_panels": 3, "q8_0_panels": 4}
@@ -65,8 +64,6 @@ def _kernel():
         kernel = None
         if os.environ.get(SWITCH_ENV, "1") != "0":
             kernel = cpu_kernels.load()
-        if kernel is not None and os.environ.get(AMX_ENV, "1") == "0":
-            kernel.use_amx(False)
         _state["kernel"] = kernel if kernel is not None and kernel.small_linear_available() else None
     return _state["kernel"]
 

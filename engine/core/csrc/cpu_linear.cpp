@@ -43,14 +43,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <utility>
 #include <vector>
 
+#include "amx_tiles.h"   // MAGICDEC_AMX_TILES, TileConfig, amx_permitted
 #include "vector_math.h"
 
 namespace {
@@ -308,7 +306,7 @@ void panel_linear(const float* x, int64_t M, int64_t K, const std::vector<const 
 }
 #endif  // MAGICDEC_GGUF_BLOCKS && MAGICDEC_AVX512
 
-#if defined(MAGICDEC_PANELS) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(MAGICDEC_PANELS) && defined(MAGICDEC_AMX_TILES)
 #define MAGICDEC_AMX 1
 // AMX: the same panels multiplied by the tile unit's bfloat16 dot products, exactly enough for float32.
 // Each row of x is split into three bfloat16 parts, x = hi + mid + lo (each the rounding of what the
@@ -328,16 +326,8 @@ void panel_linear(const float* x, int64_t M, int64_t K, const std::vector<const 
 // 1.71x at 16 rows (section 32).
 bool g_amx_on = true;  // tests switch it off to compare with the AVX-512 panels
 
-bool amx_permitted() {  // Linux lends the tile registers' state to a process that asks (once)
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {  // palette 1: per tile register its rows and bytes per row
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using magicdec_amx::amx_permitted;
+using magicdec_amx::TileConfig;
 
 constexpr int kTileRows = 16, kParts = 3;
 constexpr int64_t kAmxPassRows = 128;  // rows of x per amx_panel_pass (see amx_panel_linear)

@@ -17,10 +17,12 @@
 // to the columns the tile's last row can see. No [heads, T, context] score matrix is ever formed.
 // Tasks are scheduled heaviest first from a shared counter (tasks late in a long segment see more keys).
 //
-// Implementations: AVX-512 (head sizes that are multiples of 16) and AVX2 + FMA (multiples of 8)
-// share one templated task over a small vector policy (V16 / V8); a portable task covers every head
-// size up to kMaxHeadDim on any CPU. `prefill_use_vector_path(false)` (called by use_vector_path in
-// cpu_attention.cpp) forces the portable one.
+// Implementations: where the build and the CPU have AMX tiles, head sizes that are multiples of 32 take
+// a task whose two products run on the tile unit at float32 accuracy (prefill_task_amx, below; tasks of
+// 128 tokens); AVX-512 (multiples of 16) and AVX2 + FMA (multiples of 8) share one templated task over
+// a small vector policy (V16 / V8); a portable task covers every head size up to kMaxHeadDim on any
+// CPU. `prefill_use_vector_path(false)` (called by use_vector_path in cpu_attention.cpp) forces the
+// portable one, `prefill_use_amx(false)` (use_amx there) the vector one.
 // Not here: decode/verify attention of a few tokens per row (cpu_attention.cpp), writing K/V into the
 // cache, sliding windows, ALiBi, soft-capping, dropout.
 
@@ -35,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"    // MAGICDEC_AMX_TILES, TileConfig, amx_permitted, split_bf16
 #include "vector_math.h"  // MAGICDEC_AVX2 / MAGICDEC_AVX512, to_float, load8, hmax8, hsum8, exp2_nonpos8/16
 
 namespace {
@@ -69,6 +72,7 @@ struct Problem {
   int64_t H, KVH, group, D, capacity;
   float scale;
   int64_t tile_tokens;  // query tokens per task
+  bool amx;             // tasks run on the AMX tile unit (prefill_task_amx)
 };
 
 struct Task {
@@ -76,12 +80,17 @@ struct Task {
   double cost;                        // ~ query rows x keys seen
 };
 
-// Per-thread scratch, grown on demand and kept between calls.
+// Per-thread scratch, grown on demand and kept between calls (bfloat16 words for the AMX task's tiles).
 struct Scratch {
   AlignedVector<float> buf[6];
+  AlignedVector<uint16_t> words[5];
   float* get(int i, size_t n) {
     if (buf[i].size() < n) buf[i].resize(n);
     return buf[i].data();
+  }
+  uint16_t* get_words(int i, size_t n) {
+    if (words[i].size() < n) words[i].resize(n);
+    return words[i].data();
   }
 };
 thread_local Scratch t_scratch;
@@ -387,6 +396,303 @@ void prefill_task_vector(const Problem& pb, const Task& task) {
 }
 #endif  // any vector policy
 
+#if defined(MAGICDEC_AMX_TILES) && !defined(MAGICDEC_PREFILL_TEST_POLICY)  // (the test build checks the vector task)
+#define MAGICDEC_PREFILL_AMX 1
+// The task by the AMX tile unit (float32 or bfloat16 K/V, head sizes that are multiples of 32): the
+// tiles of query rows, causal cuts and online softmax of the vector task, with both products on the
+// tiles, S = Q K^T and O += P V, in bfloat16 parts of float32 accuracy. The queries (once per task),
+// the probabilities (per block) and float32 K / V (per block, shared by the task's row tiles) are each
+// split into three bfloat16 parts (amx_tiles.h: by truncation, the parts sum to the float32 value); a
+// product of two split operands takes the six part products a + b <= 2 (the three dropped are below
+// float32's rounding), a bfloat16 cache's K / V are one exact part, so three. The tile unit sums in
+// float32 in a fixed order per element, so a row's output does not depend on the other rows of its
+// tile or task: how a prompt is cut into chunks, packed or reused changes no bit, as with the vector
+// task. Per pair of 16-row tiles and block of 64 keys: the scores 32 keys at a time in four C tiles
+// (2 row tiles x 2 key tiles, B = K's rows as bfloat16 pairs transposed once per block), so that four
+// independent sums alternate; the softmax by AVX-512 on the stored scores (the 32 rows' corrections
+// in two vectors, exactly 1 where a row's maximum stays); then P's parts against V's (pairs of key
+// rows interleaved), 32 outputs at a time, added to the float32 O rows with the rows' corrections.
+// Tasks of 128 tokens (kAmxTaskRows) split each block for 12 pairs of row tiles. Measured against
+// the vector task in BENCHMARKS.md section 33.
+using magicdec_amx::amx_permitted;
+using magicdec_amx::split_bf16;
+using magicdec_amx::TileConfig;
+
+bool g_prefill_amx = true;  // use_amx(false) (cpu_attention.cpp) switches it off with the GEMM panels'
+
+constexpr int kAmxRows = 16;                // query rows per tile
+constexpr int64_t kAmxKeys = 64;            // keys per block: four 16-key score tiles, two P V depth tiles
+constexpr int kScoreTiles = kAmxKeys / 16, kDepthTiles = kAmxKeys / 32;
+constexpr int kWords = 32;                  // bfloat16 per tile row (64 bytes)
+constexpr int64_t kTileWords = 16 * kWords; // one 1 KB tile
+constexpr int kQParts = 3;                  // float32 queries and probabilities: three parts
+constexpr int64_t kAmxTaskRows = 384;       // query rows per task (128 tokens x 3 heads): a key block is
+                                            // split into tiles once per task, for 12 pairs of row tiles
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// In place: r[i] (16 dwords each) becomes column i of the 16 x 16 matrix of dwords r.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // r[4g + j], 128-bit lane L: rows 4g .. 4g + 3 of column 4L + j
+    r[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    r[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // then a 4 x 4 transpose of 128-bit lanes
+    const __m512i v0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    t[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    t[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// A block's n <= kAmxKeys rows of K or V [n, D] -> their P bfloat16 parts [P][kAmxKeys][D], rows past n zero.
+template <int P, typename E>
+void split_block_rows(const E* x, int64_t D, int64_t n, uint16_t* parts) {
+  for (int64_t c = 0; c < kAmxKeys; ++c)
+    for (int64_t d = 0; d < D; d += kWords) {
+      __m512i part[P];
+      if (c < n) {
+        split_bf16<P>(load16(x + c * D + d), load16(x + c * D + d + 16), part);
+      } else {
+        for (int p = 0; p < P; ++p) part[p] = _mm512_setzero_si512();
+      }
+      for (int p = 0; p < P; ++p) _mm512_store_si512(parts + (p * kAmxKeys + c) * D + d, part[p]);
+    }
+}
+
+// Split K rows [P][kAmxKeys][D] -> B tiles [P][key tile][depth chunk][16 pairs i][16 keys][2]: pair i
+// of key c is its elements 2i, 2i + 1 of the chunk (a 16 x 16 transpose of 32-bit pairs).
+template <int P>
+void key_tiles(const uint16_t* parts, int64_t D, uint16_t* tiles) {
+  const int64_t chunks = D / kWords;
+  for (int p = 0; p < P; ++p)
+    for (int kt = 0; kt < kScoreTiles; ++kt)
+      for (int64_t dc = 0; dc < chunks; ++dc) {
+        __m512i r[16];
+        for (int c = 0; c < 16; ++c) r[c] = _mm512_load_si512(parts + (p * kAmxKeys + kt * 16 + c) * D + dc * kWords);
+        transpose16(r);
+        uint16_t* tile = tiles + ((p * kScoreTiles + kt) * chunks + dc) * kTileWords;
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(tile + i * kWords, r[i]);
+      }
+}
+
+// Split V rows [P][kAmxKeys][D] -> B tiles [P][depth tile][output tile][16 key pairs i][16 outputs][2]:
+// pair i of output j is rows 2i, 2i + 1 (of the depth tile's 32) of column j, interleaved word by word.
+template <int P>
+void value_tiles(const uint16_t* parts, int64_t D, uint16_t* tiles) {
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  const int64_t dtiles = D / 16;
+  for (int p = 0; p < P; ++p)
+    for (int kd = 0; kd < kDepthTiles; ++kd)
+      for (int i = 0; i < 16; ++i)
+        for (int64_t g = 0; g < D / kWords; ++g) {
+          const uint16_t* row = parts + (p * kAmxKeys + kd * 32 + 2 * i) * D + g * kWords;
+          const __m512i a = _mm512_load_si512(row), b = _mm512_load_si512(row + D);
+          uint16_t* tile = tiles + ((p * kDepthTiles + kd) * dtiles + 2 * g) * kTileWords + i * kWords;
+          _mm512_store_si512(tile, _mm512_permutex2var_epi16(a, low, b));
+          _mm512_store_si512(tile + kTileWords, _mm512_permutex2var_epi16(a, high, b));
+        }
+}
+
+// C tiles 0..3 += the 2 x 2 products of A tiles 4, 5 (two 16-row tiles) and B tiles 6, 7 (two
+// 16-column tiles): four independent sums in a row, so that none waits on its own last product.
+inline void products_2x2() {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// C tiles 0..3 (+)= A . B over the split parts, those of a + b <= 2: A part a of the two row tiles at
+// a0, a1 (kParts tiles each, part a at + a tiles), B part b of the two column tiles at b0, b1 (parts
+// b_stride words apart). bparts: B's parts (1: exact bfloat16, 3: split float32).
+inline void split_products(const uint16_t* a0, const uint16_t* a1, const uint16_t* b0, const uint16_t* b1,
+                           int64_t b_stride, int bparts) {
+  for (int bp = 0; bp < bparts; ++bp) {
+    _tile_loadd(6, b0 + bp * b_stride, 64);
+    _tile_loadd(7, b1 + bp * b_stride, 64);
+    for (int ap = 0; ap + bp <= 2; ++ap) {
+      _tile_loadd(4, a0 + ap * kTileWords, 64);
+      _tile_loadd(5, a1 + ap * kTileWords, 64);
+      products_2x2();
+    }
+  }
+}
+
+// Store C tiles 0..3 (rows 0-15 / 16-31 x columns 0-15 / 16-31 of a 32 x 32 block) at c, rows `stride` floats apart.
+inline void store_2x2(float* c, int64_t stride) {
+  _tile_stored(0, c, stride * 4);
+  _tile_stored(1, c + 16, stride * 4);
+  _tile_stored(2, c + 16 * stride, stride * 4);
+  _tile_stored(3, c + 16 * stride + 16, stride * 4);
+}
+
+inline void zero_2x2() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+template <typename E>
+void prefill_task_amx(const Problem& pb, const Task& task) {
+  constexpr int KP = std::is_same<E, float>::value ? 3 : 1;  // parts of K and V
+  const int64_t D = pb.D, group = pb.group, chunks = D / kWords, dtiles = D / 16;
+  const int64_t R = task.tokens * group;                       // rows r = t * group + j
+  const int64_t pairs = (R + 2 * kAmxRows - 1) / (2 * kAmxRows);  // 32-row pairs of tiles
+  const int64_t mtiles = 2 * pairs, padded = mtiles * kAmxRows;
+  const int64_t start = pb.seg_start[task.seg] + task.t0;  // position of the tile's first token
+  const int64_t keys = start + task.tokens;                // the last token sees positions < keys
+  const int64_t base = (pb.seg_slot[task.seg] * pb.KVH + task.kv_head) * pb.capacity * D;
+  const E* k = static_cast<const E*>(pb.k) + base;
+  const E* v = static_cast<const E*>(pb.v) + base;
+  uint16_t* qa = t_scratch.get_words(0, mtiles * chunks * kQParts * kTileWords);  // [mtile][chunk][part] A tiles
+  uint16_t* rows = t_scratch.get_words(1, KP * kAmxKeys * D);                     // a block's split rows
+  uint16_t* kb = t_scratch.get_words(2, KP * kScoreTiles * chunks * kTileWords);
+  uint16_t* vb = t_scratch.get_words(3, KP * kDepthTiles * dtiles * kTileWords);
+  uint16_t* pa = t_scratch.get_words(4, 2 * kDepthTiles * kQParts * kTileWords);  // P's parts [mtile][depth tile][part]
+  float* o = t_scratch.get(0, padded * D);
+  float* stats = t_scratch.get(1, 2 * padded);
+  float* s = t_scratch.get(2, 2 * kAmxRows * kAmxKeys);  // a pair's scores [32 rows][64 keys]
+  float* c = t_scratch.get(3, 2 * kAmxRows * 32);        // a pair's P V for 32 outputs [32 rows][32]
+  float* row_max = stats;
+  float* row_sum = stats + padded;
+  const __m512 qscale = _mm512_set1_ps(pb.scale * kLog2e);
+  for (int64_t r = 0; r < padded; ++r) {
+    const int64_t mt = r / kAmxRows, m = r % kAmxRows;
+    const float* src = r < R ? pb.query + ((pb.seg_offset[task.seg] + task.t0 + r / group) * pb.H +
+                                          task.kv_head * group + r % group) * D
+                             : nullptr;
+    for (int64_t d = 0; d < D; d += kWords) {
+      __m512i part[kQParts];
+      if (src != nullptr) {
+        split_bf16<kQParts>(_mm512_mul_ps(_mm512_loadu_ps(src + d), qscale),
+                            _mm512_mul_ps(_mm512_loadu_ps(src + d + 16), qscale), part);
+      } else {
+        for (int p = 0; p < kQParts; ++p) part[p] = _mm512_setzero_si512();
+      }
+      for (int p = 0; p < kQParts; ++p)
+        _mm512_store_si512(qa + ((mt * chunks + d / kWords) * kQParts + p) * kTileWords + m * kWords, part[p]);
+    }
+  }
+  std::fill(o, o + padded * D, 0.0f);
+  std::fill(row_max, row_max + padded, kNoMax);
+  std::fill(row_sum, row_sum + padded, 0.0f);
+  TileConfig config;
+  for (int tile = 0; tile < 8; ++tile) {
+    config.colsb[tile] = 64;
+    config.rows[tile] = 16;
+  }
+  asm volatile("" : : "r"(&config) : "memory");  // keep the stores ldtilecfg reads (see cpu_linear.cpp)
+  _tile_loadconfig(&config);
+  constexpr int64_t kRows2 = 2 * kAmxRows;
+  for (int64_t kb0 = 0; kb0 < keys; kb0 += kAmxKeys) {
+    const int64_t n = std::min(kAmxKeys, keys - kb0);
+    split_block_rows<KP>(k + kb0 * D, D, n, rows);
+    key_tiles<KP>(rows, D, kb);
+    split_block_rows<KP>(v + kb0 * D, D, n, rows);
+    value_tiles<KP>(rows, D, vb);
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const int64_t r0 = pair * kRows2, here = std::min<int64_t>(kRows2, R - r0);
+      if (kb0 > start + (r0 + here - 1) / group) continue;  // every row of the pair is above the diagonal
+      // scores [32 rows][64 keys], 32 keys at a time: Q's parts (A) times K's (B)
+      for (int kt = 0; kt < kScoreTiles; kt += 2) {
+        zero_2x2();
+        for (int64_t dc = 0; dc < chunks; ++dc) {
+          const uint16_t* a0 = qa + ((2 * pair) * chunks + dc) * kQParts * kTileWords;
+          const uint16_t* a1 = qa + ((2 * pair + 1) * chunks + dc) * kQParts * kTileWords;
+          const uint16_t* b0 = kb + (kt * chunks + dc) * kTileWords;  // part p at + p * kScoreTiles * chunks tiles
+          split_products(a0, a1, b0, b0 + chunks * kTileWords, kScoreTiles * chunks * kTileWords, KP);
+        }
+        store_2x2(s + 16 * kt, kAmxKeys);
+      }
+      // online softmax (log2 units): each row's block maximum, then the new maxima and the
+      // corrections of 16 rows at once (exactly 1 where a maximum stays), then P's parts into pa
+      alignas(64) float block_max[kRows2], corr[kRows2];
+      int64_t vis[kRows2];
+      for (int m = 0; m < kRows2; ++m) {
+        vis[m] = m < here ? std::min(n, start + (r0 + m) / group + 1 - kb0) : 0;  // keys row m sees
+        __m512 mx = _mm512_set1_ps(kNoMax);
+        for (int j = 0; j < kScoreTiles && 16 * j < vis[m]; ++j)
+          mx = _mm512_max_ps(mx, _mm512_mask_blend_ps(V16::first(vis[m] - 16 * j), _mm512_set1_ps(kNoMax),
+                                                      _mm512_loadu_ps(s + m * kAmxKeys + 16 * j)));
+        block_max[m] = _mm512_reduce_max_ps(mx);
+      }
+      for (int h = 0; h < kRows2; h += 16) {
+        const __m512 old_max = _mm512_loadu_ps(row_max + r0 + h);
+        const __m512 new_max = _mm512_max_ps(old_max, _mm512_load_ps(block_max + h));
+        _mm512_store_ps(corr + h, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(old_max, new_max, _CMP_EQ_OQ),
+                                                       exp2_nonpos16(_mm512_sub_ps(old_max, new_max)),
+                                                       _mm512_set1_ps(1.0f)));
+        _mm512_storeu_ps(row_max + r0 + h, new_max);
+      }
+      for (int m = 0; m < kRows2; ++m) {
+        const __m512 mv = _mm512_set1_ps(row_max[r0 + m]);
+        __m512 sum = _mm512_setzero_ps();
+        uint16_t* prow = pa + (m / kAmxRows) * kDepthTiles * kQParts * kTileWords + (m % kAmxRows) * kWords;
+        for (int kd = 0; kd < kDepthTiles; ++kd) {  // keys 32 kd .. 32 kd + 31: one row of depth tile kd
+          __m512i part[kQParts];
+          if (32 * kd < vis[m]) {
+            const float* sr = s + m * kAmxKeys + 32 * kd;
+            const __m512 p0 = _mm512_maskz_mov_ps(V16::first(vis[m] - 32 * kd),
+                                                  exp2_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sr), mv)));
+            const __m512 p1 = _mm512_maskz_mov_ps(V16::first(vis[m] - 32 * kd - 16),
+                                                  exp2_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16), mv)));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            split_bf16<kQParts>(p0, p1, part);
+          } else {
+            for (int p = 0; p < kQParts; ++p) part[p] = _mm512_setzero_si512();
+          }
+          for (int p = 0; p < kQParts; ++p) _mm512_store_si512(prow + (kd * kQParts + p) * kTileWords, part[p]);
+        }
+        if (vis[m] > 0) row_sum[r0 + m] = row_sum[r0 + m] * corr[m] + _mm512_reduce_add_ps(sum);
+      }
+      // values, 32 outputs at a time: P's parts (A) times V's (B) over both depth tiles, then O = O * corr + C
+      for (int64_t dt = 0; dt < dtiles; dt += 2) {
+        zero_2x2();
+        for (int kd = 0; kd < kDepthTiles; ++kd) {
+          const uint16_t* a0 = pa + kd * kQParts * kTileWords;
+          const uint16_t* a1 = a0 + kDepthTiles * kQParts * kTileWords;
+          const uint16_t* b0 = vb + (kd * dtiles + dt) * kTileWords;  // part p at + p * kDepthTiles * dtiles tiles
+          split_products(a0, a1, b0, b0 + kTileWords, kDepthTiles * dtiles * kTileWords, KP);
+        }
+        store_2x2(c, 32);
+        for (int m = 0; m < here; ++m) {
+          const __m512 cm = _mm512_set1_ps(corr[m]);
+          float* orow = o + (r0 + m) * D + dt * 16;
+          for (int j = 0; j < 2; ++j)
+            _mm512_storeu_ps(orow + 16 * j, _mm512_fmadd_ps(_mm512_loadu_ps(orow + 16 * j), cm,
+                                                            _mm512_load_ps(c + 32 * m + 16 * j)));
+        }
+      }
+    }
+  }
+  _tile_release();
+  for (int64_t r = 0; r < R; ++r) {
+    float* dst = pb.out + ((pb.seg_offset[task.seg] + task.t0 + r / group) * pb.H + task.kv_head * group + r % group) * D;
+    const float inv = 1.0f / row_sum[r];  // >= 1: every row sees position 0 and its own maximum
+    for (int64_t d = 0; d < D; ++d) dst[d] = o[r * D + d] * inv;
+  }
+}
+#endif  // MAGICDEC_AMX_TILES
+
 template <typename E>
 void run_task(const Problem& pb, const Task& task) {
   if (g_vector_path) {
@@ -394,6 +700,9 @@ void run_task(const Problem& pb, const Task& task) {
     // 16-lane policy emulated on AVX2, to exercise the AVX-512 path's tiling on machines without it
     if (pb.D % MAGICDEC_PREFILL_TEST_POLICY::W == 0)
       return prefill_task_vector<MAGICDEC_PREFILL_TEST_POLICY, E>(pb, task);
+#endif
+#ifdef MAGICDEC_PREFILL_AMX
+    if (pb.amx) return prefill_task_amx<E>(pb, task);
 #endif
 #ifdef MAGICDEC_AVX512
     if (pb.D % V16::W == 0) return prefill_task_vector<V16, E>(pb, task);
@@ -478,7 +787,13 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor k_layer, torc
   pb.D = D;
   pb.capacity = capacity;
   pb.scale = static_cast<float>(scale);
+  pb.amx = false;
+#ifdef MAGICDEC_PREFILL_AMX
+  pb.amx = g_vector_path && g_prefill_amx && D % kWords == 0 && amx_permitted();
+  pb.tile_tokens = std::max<int64_t>(1, (pb.amx ? kAmxTaskRows : kTileRows) / pb.group);
+#else
   pb.tile_tokens = std::max<int64_t>(1, kTileRows / pb.group);
+#endif
 
   std::vector<Task> tasks;
   for (int64_t s = 0; s < S; ++s)
@@ -498,6 +813,28 @@ bool prefill_use_vector_path(bool enabled) {
   g_vector_path = enabled;
 #if defined(MAGICDEC_AVX512) || defined(MAGICDEC_AVX2)
   return true;
+#else
+  return false;
+#endif
+}
+
+// Whether prefill tasks may take the AMX tile unit (see prefill_task_amx); returns the previous
+// setting (false where it is not compiled in).
+bool prefill_use_amx(bool enabled) {
+#ifdef MAGICDEC_PREFILL_AMX
+  const bool previous = g_prefill_amx;
+  g_prefill_amx = enabled;
+  return previous;
+#else
+  (void)enabled;
+  return false;
+#endif
+}
+
+// Whether prefill tasks of head sizes that are multiples of 32 run on the AMX tile unit here.
+bool prefill_amx_in_use() {
+#ifdef MAGICDEC_PREFILL_AMX
+  return g_prefill_amx && amx_permitted();
 #else
   return false;
 #endif
