@@ -1,5 +1,5 @@
-"""The target's decode and verification forwards through the lean stack compute what transformers'
-modules compute (engine.core.lean_forward, ModelRunner.forward).
+"""The target's decode and verification forwards, and its packed prefill chunks, through the lean stack
+compute what transformers' modules compute (engine.core.lean_forward, ModelRunner.forward / prefill).
 
 Reference: `ModelRunner.module_forward`, the model's own transformers forward through the engine's
 attention, over the same cache: the same logits (float32, summed in another order: within 1e-4), the
@@ -20,6 +20,8 @@ from conftest import make_tiny, random_prompts
 from engine.core import kernels as cpu_kernels
 from engine.core import lean_forward
 from engine.core.attention import ForwardBatch
+from engine.core.prefill import QueryWindow
+from engine.core.prefill_attention import PrefillBatch, Segment
 from engine.core.lean_forward import side_by_side, supports
 from engine.core.linear import linear, linear_cat
 from engine.core.runner import LEAN_SWITCH_ENV, ModelRunner
@@ -74,6 +76,39 @@ def test_decode_and_verify_forwards_equal_transformers_modules(model, width, las
     assert got.shape == want.shape == (len(LENGTHS), 1 if last_only else width, loaded.model.config.vocab_size)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_packed_prefill_equals_transformers_modules(model):
+    """Three rows' segments packed in one prefill forward (40 tokens after 90 cached ones, 30 after 140
+    with SnapKV's observation window over the last 16, one token after 61): the same logits of each
+    segment's last token, K/V written, window queries and window attention mass through both."""
+    loaded = make_tiny(4)[0] if model == "llama" else qwen2_tiny()
+    runner = prefilled_runner(loaded)
+    config = loaded.model.config
+    tokens = torch.randint(3, 500, (71,), generator=torch.Generator().manual_seed(2))  # [N]
+
+    def batch():
+        window = QueryWindow(runner.layers, runner.heads, runner.kv_heads, 16, runner.head_dim, 154, runner.device,
+                             torch.float32)
+        return PrefillBatch(runner.cache, [Segment(0, 90, 40), Segment(1, 140, 30, window), Segment(2, 61, 1)])
+
+    reference = batch()
+    want = runner.module_prefill(tokens, reference)
+    want_kv = written(runner, reference)
+    for store in (runner.cache.k, runner.cache.v):  # the lean prefill must write them again
+        store[:, reference.write_slots, :, reference.write_positions] = 0.0
+    lean = batch()
+    got = runner.prefill(tokens, lean)
+    assert runner.lean_stack() is not None
+    assert got.shape == want.shape == (3, config.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # the second layer's K/V come from the first layer's outputs, summed in another order
+    torch.testing.assert_close(written(runner, lean), want_kv, rtol=1e-4, atol=1e-4)
+    got_window, want_window = lean.segments[1].observer, reference.segments[1].observer
+    torch.testing.assert_close(got_window.queries, want_window.queries, rtol=1e-5, atol=1e-5)
+    assert got_window.mass is not None and want_window.mass is not None
+    torch.testing.assert_close(got_window.mass, want_window.mass, rtol=1e-5, atol=1e-5)
 
 
 def test_verification_returns_the_attention_mass_transformers_modules_do():

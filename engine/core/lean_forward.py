@@ -1,11 +1,11 @@
-"""A Llama-family decoder stack in a few fused CPU ops per layer, for forwards of a few new tokens per row.
+"""A Llama-family decoder stack in a few fused CPU ops per layer, for decode forwards and prefill chunks.
 
 transformers' decoder layer makes many small torch calls per layer (norms in five ops, RoPE by
 slicing and concatenating, three separate projections, the K/V write by index_put, dtype round trips).
 A decode step of ~13 rows spent ~30-40 ms of a ~170 ms step on them on a 2-core CPU (BENCHMARKS.md
 section 13). `LeanStack` runs the same computation with q|k|v and gate|up each one GEMM call and
 three C++ ops per layer (`engine/core/csrc/cpu_draft_ops.cpp`: residual + RMSNorm, RoPE + K/V
-write, SiLU x up), and lets its caller choose the attention and where the K/V go. Two callers:
+write, SiLU x up), and lets its caller choose the attention and where the K/V go. Its callers:
 - `ModelRunner.forward` (the target's decode and verification forwards, float32 on CPU): the whole
   cache through `engine.core.attention.attend_full` (shared-prefix reads and the guided draft's
   attention mass included), the K/V written into the cache.
@@ -15,8 +15,10 @@ write, SiLU x up), and lets its caller choose the attention and where the K/V go
 `supports` says which models it computes exactly what transformers computes for (pre-norm RMSNorm,
 RoPE from the model's own rotary module, GQA attention, SiLU-gated MLP, plain `nn.Linear`
 projections: Llama, Mistral, Qwen2); everything else (other architectures, GPUs, tensor-parallel
-shards, bfloat16 models) keeps transformers' modules. Not here: prefill chunks (many rows: the GEMMs
-dominate, transformers' modules are kept), which positions a draft reads, sampling.
+shards, bfloat16 models) keeps transformers' modules. A third caller, `ModelRunner.prefill`, runs
+packed prefill chunks through it as N rows of one token (each its own slot and position, the
+prefill attention over the segments, the logits of the segments' last tokens only). Not here:
+which positions a draft reads, sampling.
 """
 
 from __future__ import annotations
@@ -90,11 +92,12 @@ class LeanStack:
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend: Attend,
                  k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor, *,
-                 last_only: bool) -> torch.Tensor:
+                 last_only: bool, keep: torch.Tensor | None = None) -> torch.Tensor:
         """tokens, positions: [B, T] (positions drive RoPE); slots: [B]; the rotated keys and the
         values of layer l go into k_store[l] / v_store[l] ([slots, kv_heads, rows, D]) at
         (slots[b], rows[b, t]). Returns logits [B, T, vocab], or [B, vocab] of each row's last token
-        with last_only (float32)."""
+        with last_only, or [K, vocab] of the tokens `keep` [K] lists (indices into the B * T tokens,
+        row-major) (float32)."""
         B, T = tokens.shape
         kernel = self.kernel
         x = self.model.model.embed_tokens(tokens).float().contiguous()  # [B, T, hidden], the residual stream
@@ -110,7 +113,9 @@ class LeanStack:
             out = attend(index, query)  # [B, T, H * D]
             h = kernel.residual_rms_norm(x, layer["o"](out).contiguous(), layer["post_norm"], self.eps)
             delta = layer["down"](kernel.silu_mul(layer["gate_up"](h).contiguous())).contiguous()
-        if last_only:
+        if keep is not None:
+            x, delta = x.flatten(0, 1)[keep], delta.flatten(0, 1)[keep]  # [K, hidden]
+        elif last_only:
             x, delta = x[:, -1].contiguous(), delta[:, -1].contiguous()  # [B, hidden]
         h = kernel.residual_rms_norm(x, delta, self.final_norm, self.eps)
         return self.lm_head(h).float()  # [B, T, vocab] or [B, vocab]

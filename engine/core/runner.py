@@ -3,9 +3,9 @@
 `ModelRunner` sizes the cache from the model's (rank-local) attention shapes, so it works unchanged on
 a tensor-parallel shard, and calls transformers' model with the engine's `ForwardBatch` so that the
 registered attention reads and writes that cache. Decode and verification forwards over the whole
-cache take the lean stack instead where it computes the same (`engine.core.lean_forward`: float32
-Llama-family models on CPU; `MAGICDEC_LEAN_FORWARD=0` turns it off); `module_forward` is always
-transformers' modules. It knows nothing about sampling or scheduling.
+cache, and prefill chunks, take the lean stack instead where it computes the same
+(`engine.core.lean_forward`: float32 Llama-family models on CPU; `MAGICDEC_LEAN_FORWARD=0` turns it
+off); `module_forward` and `module_prefill` are always transformers' modules. It knows nothing about sampling or scheduling.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from engine.core.attention import BATCH_KWARG, FUSED_MAX_NEW, ForwardBatch, atte
 from engine.core.lean_forward import LeanStack, stack_for
 from engine.core.kv_cache import KVCache
 from engine.core.linear import adopt as adopt_engine_linears, engine_forward, keep_gguf_blocks
-from engine.core.prefill_attention import PrefillBatch
+from engine.core.prefill_attention import PrefillBatch, attend_prefill
 from engine.models.loading import LoadedModel
 
 LEAN_SWITCH_ENV = "MAGICDEC_LEAN_FORWARD"  # "0": every forward through transformers' modules
@@ -62,9 +62,9 @@ class ModelRunner:
         return stack_for(self.model, self.cache.k.dtype, self.device)
 
     def decode_path(self) -> str:
-        """Who runs the layers of decode and verification forwards here (for the job report)."""
+        """Who runs the layers of decode and verification forwards (and prefill chunks) here (for the job report)."""
         if self.lean_stack() is not None:
-            return "lean stack (fused CPU ops)"
+            return "lean stack (fused CPU ops), prefill chunks too"
         if os.environ.get(LEAN_SWITCH_ENV, "1") == "0":
             return f"transformers modules ({LEAN_SWITCH_ENV}=0)"
         return "transformers modules"
@@ -98,7 +98,25 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
         """tokens: [N], the packed segments' prompt tokens. Returns float32 logits [S, vocab] of each
-        segment's last token."""
+        segment's last token. Through the lean stack where decode forwards take it (the packed tokens
+        as N rows of one token, each with its own slot and position), else transformers' modules."""
+        if (lean := self.lean_stack()) is not None:
+            N, H, D = tokens.shape[0], lean.heads, lean.head_dim
+
+            def attend(layer: int, query: torch.Tensor) -> torch.Tensor:  # [N, KV, group, D] -> [N, 1, H * D]
+                heads_first = query.view(1, N, H, D).transpose(1, 2)  # [1, H, N, D], transformers' layout
+                out = attend_prefill(lean.kernel, heads_first, self.cache.k[layer], self.cache.v[layer], batch,
+                                     layer, lean.scale)  # [1, N, H, D]
+                return out.view(N, 1, H * D)
+
+            rows = batch.write_positions[:, None]  # [N, 1]
+            return lean(tokens[:, None], rows, batch.write_slots, attend, self.cache.k, self.cache.v, rows,
+                        last_only=False, keep=batch.last_indices)
+        return self.module_prefill(tokens, batch)
+
+    @torch.inference_mode()
+    def module_prefill(self, tokens: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
+        """`prefill` through transformers' modules, whatever the lean stack would do (the reference)."""
         with engine_forward():
             out = self.model(input_ids=tokens[None], position_ids=batch.positions, use_cache=False,
                              logits_to_keep=batch.last_indices, **{BATCH_KWARG: batch})
