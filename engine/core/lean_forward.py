@@ -118,7 +118,7 @@ class LeanStack:
         elif last_only:
             x, delta = x[:, -1].contiguous(), delta[:, -1].contiguous()  # [B, hidden]
         h = kernel.residual_rms_norm(x, delta, self.final_norm, self.eps)
-        return self.lm_head(h).float()  # [B, T, vocab] or [B, vocab]
+        return self.lm_head(h).float()  # [B, T, vocab], [B, vocab] or [K, vocab]
 
 
 _STACKS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()

@@ -5,7 +5,8 @@ a tensor-parallel shard, and calls transformers' model with the engine's `Forwar
 registered attention reads and writes that cache. Decode and verification forwards over the whole
 cache, and prefill chunks, take the lean stack instead where it computes the same
 (`engine.core.lean_forward`: float32 Llama-family models on CPU; `MAGICDEC_LEAN_FORWARD=0` turns it
-off); `module_forward` and `module_prefill` are always transformers' modules. It knows nothing about sampling or scheduling.
+off); `module_forward` and `module_prefill` are always transformers' modules. It knows nothing about
+sampling or scheduling.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class ModelRunner:
         return stack_for(self.model, self.cache.k.dtype, self.device)
 
     def decode_path(self) -> str:
-        """Who runs the layers of decode and verification forwards (and prefill chunks) here (for the job report)."""
+        """Who runs the layers of decode and verification forwards, and of prefill chunks, here (for the
+        job report)."""
         if self.lean_stack() is not None:
             return "lean stack (fused CPU ops), prefill chunks too"
         if os.environ.get(LEAN_SWITCH_ENV, "1") == "0":

@@ -686,7 +686,8 @@ void prefill_task_amx(const Problem& pb, const Task& task) {
   }
   _tile_release();
   for (int64_t r = 0; r < R; ++r) {
-    float* dst = pb.out + ((pb.seg_offset[task.seg] + task.t0 + r / group) * pb.H + task.kv_head * group + r % group) * D;
+    const int64_t token = pb.seg_offset[task.seg] + task.t0 + r / group;  // in the packed token axis
+    float* dst = pb.out + (token * pb.H + task.kv_head * group + r % group) * D;
     const float inv = 1.0f / row_sum[r];  // >= 1: every row sees position 0 and its own maximum
     for (int64_t d = 0; d < D; ++d) dst[d] = o[r * D + d] * inv;
   }
