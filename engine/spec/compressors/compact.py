@@ -78,9 +78,14 @@ class CompactStore:
         self.entry_pos[slot] = -1
         self.stale.pop(slot, None)
         if n:
-            index = kept[..., None].expand(layers, kv_heads, n, self.cache.head_dim)  # [layers, kv_heads, n, D]
-            self.k[:, slot, :, :n] = self.cache.k[:, slot].gather(2, index).to(self.k.dtype)
-            self.v[:, slot, :, :n] = self.cache.v[:, slot].gather(2, index).to(self.v.dtype)
+            cache, D = self.cache, self.cache.head_dim
+            # whole K/V rows by index_select on the cache viewed as [-1, D] (a row copy each; an
+            # element-wise gather took several times longer)
+            planes = ((torch.arange(layers, device=kept.device)[:, None] * cache.slots + slot) * kv_heads
+                      + torch.arange(kv_heads, device=kept.device)[None, :])  # [layers, kv_heads]
+            source = (planes[..., None] * cache.capacity + kept).reshape(-1)  # [layers * kv_heads * n]
+            for store, full in ((self.k, cache.k), (self.v, cache.v)):
+                store[:, slot, :, :n] = full.view(-1, D).index_select(0, source).view(layers, kv_heads, n, D)
             self.entry_pos[slot, :n] = torch.arange(n, device=self.k.device) if self.sinks else 0
         self._copy(slot, max(recent_start, length - self.ring), length)
 
