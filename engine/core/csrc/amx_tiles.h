@@ -1,7 +1,8 @@
 // What the kernels that use the AMX tile unit share (cpu_linear.cpp's GGUF panels, cpu_prefill.cpp's
 // attention): the tile configuration (palette 1), Linux's once-per-process permission to use the tile
-// registers, and splitting float32 into bfloat16 parts whose sum is the float32 value. Compiled only
-// where the build has AMX-TILE, AMX-BF16 and AVX512-BF16 (MAGICDEC_AMX_TILES); holds no kernel.
+// registers, one switch every AMX path follows, and splitting float32 into bfloat16 parts whose sum
+// is the float32 value. Compiled only where the build has AMX-TILE, AMX-BF16 and AVX512-BF16
+// (MAGICDEC_AMX_TILES); holds no kernel.
 #pragma once
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MAGICDEC_AMX_TILES 1
@@ -18,6 +19,11 @@ inline bool amx_permitted() {
   static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return granted;
 }
+
+// The one switch (use_amx in cpu_linear.cpp sets it; tests compare both ways, MAGICDEC_AMX=0 turns it
+// off): the GEMM panels and the prefill attention take the tile unit while it is on and Linux lends it.
+inline bool amx_switched_on = true;
+inline bool amx_usable() { return amx_switched_on && amx_permitted(); }
 
 struct alignas(64) TileConfig {  // palette 1: per tile register its rows and bytes per row
   uint8_t palette = 1, start_row = 0, reserved[14] = {};

@@ -1128,7 +1128,6 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor k_layer, torc
                                 torch::Tensor seg_slot, torch::Tensor seg_start, torch::Tensor seg_offset,
                                 torch::Tensor seg_len, double scale);
 bool prefill_use_vector_path(bool enabled);
-bool prefill_use_amx(bool enabled);
 bool prefill_amx_in_use();
 
 // Whether tasks (here and in cpu_prefill.cpp) may take a vector implementation; returns whether one
@@ -1180,12 +1179,6 @@ std::vector<int64_t> small_linear_formats();
 bool amx_in_use();
 bool use_amx(bool enabled);
 
-// The tile unit on or off for every kernel that uses it (tests compare both ways; MAGICDEC_AMX=0).
-bool use_amx_tiles(bool enabled) {
-  prefill_use_amx(enabled);
-  return use_amx(enabled);
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_available", &small_linear_available, "whether small_linear is compiled in (AVX2 + FMA)");
   m.def("small_linear", &small_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
@@ -1197,8 +1190,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a weight with a format (1: Q4_1, 2: Q8_0) is read from its GGUF blocks, same bits");
   m.def("small_linear_formats", &small_linear_formats, "the weight formats small_linear_cat reads here");
   m.def("amx_in_use", &amx_in_use, "whether GGUF panels are multiplied by the AMX tile unit here");
-  m.def("use_amx", &use_amx_tiles, "allow (true) or forbid (false) the AMX tile unit (GEMM panels and prefill "
-        "attention); returns the previous setting of the panels'");
+  m.def("use_amx", &use_amx, "allow (true) or forbid (false) the AMX tile unit (GEMM panels and prefill "
+        "attention); returns the previous setting");
   m.def("prefill_amx_in_use", &prefill_amx_in_use, "whether prefill attention runs on the AMX tile unit here");
 
   m.def("use_vector_path", &use_vector_path,

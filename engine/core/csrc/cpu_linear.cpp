@@ -324,9 +324,6 @@ void panel_linear(const float* x, int64_t M, int64_t K, const std::vector<const 
 // which took those rows before), but 0.76x / 0.73x at 1 row: building B costs what the AVX-512
 // kernel's one row of FMAs does (BENCHMARKS.md section 30); with the scratch on cache lines, 1.40x /
 // 1.71x at 16 rows (section 32).
-bool g_amx_on = true;  // tests switch it off to compare with the AVX-512 panels
-
-using magicdec_amx::amx_permitted;
 using magicdec_amx::TileConfig;
 
 constexpr int kTileRows = 16, kParts = 3;
@@ -556,18 +553,18 @@ void amx_panel_linear(const float* x, int64_t M, int64_t K, const std::vector<co
 // Whether panels are multiplied by the tile unit (AMX) here: compiled in, permitted, not switched off.
 bool amx_in_use() {
 #ifdef MAGICDEC_AMX
-  return g_amx_on && amx_permitted();
+  return magicdec_amx::amx_usable();
 #else
   return false;
 #endif
 }
 
-// Switch the AMX panels on or off (tests compare both; a no-op where not compiled in); returns the
-// previous setting.
+// Switch the AMX tile unit on or off for every kernel that uses it, the GEMM panels and the prefill
+// attention (tests compare both; a no-op where not compiled in); returns the previous setting.
 bool use_amx(bool enabled) {
-#ifdef MAGICDEC_AMX
-  const bool previous = g_amx_on;
-  g_amx_on = enabled;
+#ifdef MAGICDEC_AMX_TILES
+  const bool previous = magicdec_amx::amx_switched_on;
+  magicdec_amx::amx_switched_on = enabled;
   return previous;
 #else
   (void)enabled;

@@ -22,7 +22,7 @@
 // 128 tokens); AVX-512 (multiples of 16) and AVX2 + FMA (multiples of 8) share one templated task over
 // a small vector policy (V16 / V8); a portable task covers every head size up to kMaxHeadDim on any
 // CPU. `prefill_use_vector_path(false)` (called by use_vector_path in cpu_attention.cpp) forces the
-// portable one, `prefill_use_amx(false)` (use_amx there) the vector one.
+// portable one, `use_amx(false)` (cpu_linear.cpp: the one AMX switch) the vector one.
 // Not here: decode/verify attention of a few tokens per row (cpu_attention.cpp), writing K/V into the
 // cache, sliding windows, ALiBi, soft-capping, dropout.
 
@@ -414,11 +414,8 @@ void prefill_task_vector(const Problem& pb, const Task& task) {
 // rows interleaved), 32 outputs at a time, added to the float32 O rows with the rows' corrections.
 // Tasks of 128 tokens (kAmxTaskRows) split each block for 12 pairs of row tiles. Measured against
 // the vector task in BENCHMARKS.md section 33.
-using magicdec_amx::amx_permitted;
 using magicdec_amx::split_bf16;
 using magicdec_amx::TileConfig;
-
-bool g_prefill_amx = true;  // use_amx(false) (cpu_attention.cpp) switches it off with the GEMM panels'
 
 constexpr int kAmxRows = 16;                // query rows per tile
 constexpr int64_t kAmxKeys = 64;            // keys per block: four 16-key score tiles, two P V depth tiles
@@ -790,7 +787,7 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor k_layer, torc
   pb.scale = static_cast<float>(scale);
   pb.amx = false;
 #ifdef MAGICDEC_PREFILL_AMX
-  pb.amx = g_vector_path && g_prefill_amx && D % kWords == 0 && amx_permitted();
+  pb.amx = g_vector_path && D % kWords == 0 && magicdec_amx::amx_usable();
   pb.tile_tokens = std::max<int64_t>(1, (pb.amx ? kAmxTaskRows : kTileRows) / pb.group);
 #else
   pb.tile_tokens = std::max<int64_t>(1, kTileRows / pb.group);
@@ -819,23 +816,10 @@ bool prefill_use_vector_path(bool enabled) {
 #endif
 }
 
-// Whether prefill tasks may take the AMX tile unit (see prefill_task_amx); returns the previous
-// setting (false where it is not compiled in).
-bool prefill_use_amx(bool enabled) {
-#ifdef MAGICDEC_PREFILL_AMX
-  const bool previous = g_prefill_amx;
-  g_prefill_amx = enabled;
-  return previous;
-#else
-  (void)enabled;
-  return false;
-#endif
-}
-
 // Whether prefill tasks of head sizes that are multiples of 32 run on the AMX tile unit here.
 bool prefill_amx_in_use() {
 #ifdef MAGICDEC_PREFILL_AMX
-  return g_prefill_amx && amx_permitted();
+  return magicdec_amx::amx_usable();
 #else
   return false;
 #endif
