@@ -78,14 +78,14 @@ class CompactStore:
         self.entry_pos[slot] = -1
         self.stale.pop(slot, None)
         if n:
-            cache, D = self.cache, self.cache.head_dim
-            # whole K/V rows by index_select on the cache viewed as [-1, D] (a row copy each; an
-            # element-wise gather took several times longer)
-            planes = ((torch.arange(layers, device=kept.device)[:, None] * cache.slots + slot) * kv_heads
-                      + torch.arange(kv_heads, device=kept.device)[None, :])  # [layers, kv_heads]
-            source = (planes[..., None] * cache.capacity + kept).reshape(-1)  # [layers * kv_heads * n]
-            for store, full in ((self.k, cache.k), (self.v, cache.v)):
-                store[:, slot, :, :n] = full.view(-1, D).index_select(0, source).view(layers, kv_heads, n, D)
+            # whole K/V rows by index_select (a row copy each; an element-wise gather took several times longer)
+            device, D = kept.device, self.cache.head_dim
+            layer = torch.arange(layers, device=device)[:, None, None]  # [layers, 1, 1]
+            head = torch.arange(kv_heads, device=device)[None, :, None]  # [1, kv_heads, 1]
+            source = self._cache_rows(layer, slot, head, kept)  # [layers, kv_heads, n]
+            for store, full in ((self.k, self.cache.k), (self.v, self.cache.v)):
+                rows = full.view(-1, D).index_select(0, source.reshape(-1))  # [layers * kv_heads * n, D]
+                store[:, slot, :, :n] = rows.view(layers, kv_heads, n, D)
             self.entry_pos[slot, :n] = torch.arange(n, device=self.k.device) if self.sinks else 0
         self._copy(slot, max(recent_start, length - self.ring), length)
 
@@ -125,10 +125,16 @@ class CompactStore:
         cache = self.cache
         D, S = cache.head_dim, self.k.shape[3]
         plane = (layer * cache.slots + slot) * cache.kv_heads + head  # [n]: (layer, slot, head) block
-        source = plane * cache.capacity + position  # [n] rows of the cache viewed as [-1, D]
+        source = self._cache_rows(layer, slot, head, position)  # [n]
         target = plane * S + entry  # [n] rows of the store viewed as [-1, D]
         for store, full in ((self.k, cache.k), (self.v, cache.v)):
             store.view(-1, D).index_copy_(0, target, full.view(-1, D).index_select(0, source).to(store.dtype))
+
+    def _cache_rows(self, layer, slot, head, position) -> torch.Tensor:
+        """The rows of the cache viewed as [-1, D] that hold (layer, slot, KV head, position) (int64
+        tensors or ints, broadcast together)."""
+        cache = self.cache
+        return ((layer * cache.slots + slot) * cache.kv_heads + head) * cache.capacity + position
 
     def release(self, slot: int) -> None:
         self.entry_pos[slot] = -1
