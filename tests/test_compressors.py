@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import pooled, random_cache, random_prompts, window_attention_scores
+from conftest import make_tiny, pooled, random_cache, random_prompts, window_attention_scores
 
 from engine.config.schema import DraftConfig
 from engine.spec.compressors.pqcache import PQCache, kmeans, nearest
@@ -203,22 +203,40 @@ class RecordingSnapKV(SnapKV):
         super().prefill_done(slot, prompt_len, observed, mass=mass)
 
 
-@pytest.mark.parametrize("backend", ["kernel", "torch"])
+@pytest.fixture
+def amx_allowed(request):
+    """Whether the fused kernels may use the AMX tile unit in this test (restored after)."""
+    from engine.core import kernels
+
+    module = kernels.load()
+    previous = module.use_amx(request.param) if module is not None else None
+    yield request.param
+    if module is not None:
+        module.use_amx(previous)
+
+
+@pytest.mark.parametrize("backend,amx_allowed", [("kernel", True), ("kernel", False), ("torch", True)],
+                         indirect=["amx_allowed"], ids=["kernel-amx", "kernel-no-amx", "torch"])
 @pytest.mark.parametrize("chunk", [7, 40, 1000])
-def test_prefill_hands_snapkv_the_window_mass_of_its_own_attention(tiny, backend, chunk, monkeypatch):
-    """The packed prefill attends each row's observation window with its attention mass (the kernel's
-    tail pass, or the torch path's softmax), windows cut across forwards at `chunk` tokens: the rows'
-    logits still match transformers, the mass handed over is the brute-force window score of every
-    layer, and SnapKV's kept positions are a top set of the brute-force rule."""
+def test_prefill_hands_snapkv_the_window_mass_of_its_own_attention(tiny, backend, amx_allowed, chunk, monkeypatch):
+    """The packed prefill attends each row's observation window with its attention mass (the AMX prefill
+    task's tail tasks, the decode kernel's tail pass without AMX, or the torch path's softmax), windows
+    cut across forwards at `chunk` tokens: the rows' logits still match transformers, the mass handed over
+    is the brute-force window score of every layer, and SnapKV's kept positions are a top set of the
+    brute-force rule."""
     from engine.core import attention, kernels
     from engine.core.prefill import RowPrefill, prefill_rows
     from engine.core.runner import ModelRunner
 
     if backend == "kernel" and kernels.load() is None:
         pytest.skip("the fused CPU kernel is not built here (no compiler)")
+    loaded, reference = tiny
+    if backend == "kernel" and amx_allowed:  # the AMX task takes head sizes that are multiples of 32
+        loaded, reference = make_tiny(0, hidden_size=128, num_attention_heads=4)
+        if not kernels.load().prefill_mass_on_amx(loaded.model.config.head_dim):
+            pytest.skip("no AMX tiles here (the CPU or the build lacks AMX-BF16, or Linux did not lend them)")
     if backend == "torch":
         monkeypatch.setattr(attention, "cpu_kernel_for", lambda query, cache: None)
-    loaded, reference = tiny
     runner = ModelRunner(loaded, slots=4, capacity=128)
     budget, window, kernel_size = 24, 8, 3
     method = RecordingSnapKV(DraftConfig(method="snapkv", budget=budget, window=window, kernel_size=kernel_size),

@@ -420,6 +420,53 @@ def test_prefill_w16_emulation(kernels, dtype, D):
     close(out, reference_prefill(q, k, v, seg_slot, seg_start, seg_offset, seg_len, D ** -0.5))
 
 
+def reference_tail_mass(q, k, seg_slot, seg_start, seg_offset, seg_len, seg_tail, mass_len, scale):
+    """[S, KVH, mass_len] float64: the softmax each segment's last seg_tail tokens put on every position,
+    summed over those tokens and each KV head's group of query heads (causal)."""
+    KVH = k.shape[1]
+    group = q.shape[1] // KVH
+    mass = torch.zeros(len(seg_slot), KVH, mass_len, dtype=torch.float64)
+    for s, (slot, start, offset, length, tail) in enumerate(zip(seg_slot.tolist(), seg_start.tolist(),
+                                                                 seg_offset.tolist(), seg_len.tolist(),
+                                                                 seg_tail.tolist())):
+        end = start + length
+        for t in range(length - tail, length):  # token t of the segment sees positions <= start + t
+            seen = start + t + 1
+            keys = k[slot, :, :seen].double().repeat_interleave(group, dim=0)  # [H, seen, D]
+            probs = torch.softmax((q[offset + t].double()[:, None, :] * scale * keys).sum(-1), dim=-1)  # [H, seen]
+            mass[s, :, :seen] += probs.view(KVH, group, seen).sum(dim=1)
+    assert mass.shape[-1] >= max(a + b for a, b in zip(seg_start.tolist(), seg_len.tolist()))
+    return mass
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_prefill_tail_mass_on_amx(kernels, dtype, D):
+    """prefill_attention_mass: the outputs are prefill_attention's bits, and each segment's tail (SnapKV's
+    observation window, here 0, 32, all 7 and 150 tokens: a tail longer than an AMX task of 128 tokens is
+    still one task) gets the attention mass its tokens put on every position, against float64."""
+    previous = kernels.use_amx(True)
+    try:
+        if not kernels.prefill_mass_on_amx(D):
+            pytest.skip("no AMX tiles here (the CPU or the build lacks AMX-BF16, or Linux did not lend them)")
+        H, KVH = 9, 3
+        k, v = make_cache(3, KVH, 2600, D, dtype)
+        seg_slot, seg_start, seg_offset, seg_len, N = segments([100, 45, 7, 300], [500, 2000, 0, 2200], [0, 1, 2, 2])
+        seg_tail = torch.tensor([0, 32, 7, 150])
+        q = torch.randn(N, H, D, generator=torch.Generator().manual_seed(13))
+        mass_len = 2510 + 3  # beyond every end: zeros there
+        out, mass = kernels.prefill_attention_mass(q, k, v, seg_slot, seg_start, seg_offset, seg_len, seg_tail,
+                                                   mass_len, D ** -0.5)
+        assert torch.equal(out, kernels.prefill_attention(q, k, v, seg_slot, seg_start, seg_offset, seg_len,
+                                                          D ** -0.5))
+        torch.testing.assert_close(mass.double(), reference_tail_mass(q, k, seg_slot, seg_start, seg_offset,
+                                                                      seg_len, seg_tail, mass_len, D ** -0.5),
+                                   atol=1e-5, rtol=1e-5)
+        assert torch.all(mass[0] == 0)  # no tail, no mass
+    finally:
+        kernels.use_amx(previous)
+
+
 def test_prefill_rejects_bad_segments(kernels):
     k, v = make_cache(1, 1, 100, 16, torch.float32)
     q = torch.randn(10, 2, 16)

@@ -10,9 +10,11 @@ A segment may carry a `WindowObserver` (a row whose draft wants SnapKV's observa
 prompt's last tokens): it receives the queries of the segment's tokens in that window and, where the
 backend has them in hand, the attention mass those tokens' softmax puts on each cached position (per
 KV head, summed over the GQA group and the tokens), so the draft's prefill-time selection costs no
-second pass over the prompt. With the fused kernel, a segment's window tokens (its tail) are attended
-by `attend_cached_scores`, which returns that mass from the same pass, and its other tokens by
-`prefill_attention`; the torch path sums its own softmax; SDPA gives no mass (the draft computes it).
+second pass over the prompt. With the fused kernel on AMX tiles, `prefill_attention_mass` attends every
+token and returns the tails' mass from the same pass (each tail a task of its own); elsewhere a
+segment's window tokens (its tail) are attended by the decode kernel's `attend_cached_scores`, which
+returns that mass, and its other tokens by `prefill_attention`; the torch path sums its own softmax;
+SDPA gives no mass (the draft computes it).
 
 Backends (held against the masked reference in the tests): the fused CPU kernel's `prefill_attention`
 (a tiled online softmax that never builds the [heads, tokens, context] score matrix), torch's SDPA per
@@ -90,9 +92,11 @@ class PrefillBatch:
         for index, tail in enumerate(self.tails):
             if tail:
                 self.tail_groups.setdefault(tail, []).append(index)
-        if self.tail_groups:  # the kernel's prefill pass then takes every segment's head only
+        if self.tail_groups:  # the kernel's prefill pass then takes every segment's head only (or,
+            # where its AMX task returns the mass, every token, the tails as tasks of their own)
             self.seg_head_len = torch.tensor([n - t for n, t in zip(lengths, self.tails)], dtype=torch.long,
                                              device=device)  # [S]
+            self.seg_tail = torch.tensor(self.tails, dtype=torch.long, device=device)  # [S]
 
 
 def attend_prefill(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
@@ -106,6 +110,8 @@ def attend_prefill(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: 
             segment.observer.observe(layer, query[0, :, offset:offset + segment.length], segment.start)
     if kernel is not None:
         q = query[0].transpose(0, 1).float().contiguous()  # [N, heads, D], token-major
+        if batch.tail_groups and kernel.prefill_mass_on_amx(q.shape[-1]):
+            return _attend_with_tail_mass(kernel, q, k_layer, v_layer, batch, layer, scale)[None].to(query.dtype)
         head_len = batch.seg_head_len if batch.tail_groups else batch.seg_len
         out = kernel.prefill_attention(q, k_layer, v_layer, batch.seg_slot, batch.seg_start, batch.seg_offset,
                                        head_len, scale)  # [N, heads, D] float32 (tails: zeros, filled below)
@@ -115,6 +121,19 @@ def attend_prefill(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: 
     if query.is_cuda:  # torch's fused SDPA: one pass over K/V, no [group * T, end] scores in memory
         return attend_segments_sdpa(query, k_layer, v_layer, batch, scale)
     return attend_segments_torch(query, k_layer, v_layer, batch, layer, scale)
+
+
+def _attend_with_tail_mass(kernel, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                           batch: PrefillBatch, layer: int, scale: float) -> torch.Tensor:
+    """Every token by the AMX prefill task, each segment's tail with its mass from the same pass
+    (`prefill_attention_mass`); each observer gets its tail's mass. q: [N, heads, D]; returns [N, heads, D]."""
+    ends = [s.start + s.length for s in batch.segments]
+    out, mass = kernel.prefill_attention_mass(q, k_layer, v_layer, batch.seg_slot, batch.seg_start, batch.seg_offset,
+                                              batch.seg_len, batch.seg_tail, max(ends), scale)  # mass: [S, kv_heads, max end]
+    for index, (segment, end) in enumerate(zip(batch.segments, ends)):
+        if tail := batch.tails[index]:
+            segment.observer.add_mass(layer, mass[index, :, :end], tail)
+    return out
 
 
 def _attend_tails(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,

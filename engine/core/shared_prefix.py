@@ -18,6 +18,7 @@ This module groups rows; it neither stores K/V nor attends.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -40,21 +41,28 @@ def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
+@functools.lru_cache(maxsize=1024)
+def _chain(origin: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(depth, key of the serials up to that depth) for each depth of a row's origins: a row's origins
+    stay the same while it decodes, so each is chained once, not once per forward."""
+    key, chain = 0, []
+    for depth, serial in enumerate(origin, start=1):
+        key = hash((key, serial))
+        chain.append((depth, key))
+    return tuple(chain)
+
+
 def group_rows(origins: list[tuple[int, ...]], block: int, starts: list[int],
                device: torch.device | str = "cpu") -> PrefixGroups | None:
     """Groups of the rows whose `origins` (per row: the store-block serials of its first blocks of
     `block` tokens) agree on a prefix; None when no two rows share one. starts[b]: row b's first new
     position (shared positions stay below it)."""
     B = len(origins)
-    chains = []  # per row: [(depth, cumulative key)]
+    chains = [_chain(origin) for origin in origins]  # per row: [(depth, cumulative key)]
     count: dict[tuple[int, int], int] = {}
-    for origin in origins:
-        key, chain = 0, []
-        for depth, serial in enumerate(origin, start=1):
-            key = hash((key, serial))
-            chain.append((depth, key))
-            count[(depth, key)] = count.get((depth, key), 0) + 1
-        chains.append(chain)
+    for chain in chains:
+        for node in chain:
+            count[node] = count.get(node, 0) + 1
     groups: dict[tuple[int, int], list[int]] = {}
     singles = []
     for row, chain in enumerate(chains):

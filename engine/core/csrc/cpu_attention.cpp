@@ -1127,8 +1127,13 @@ torch::Tensor attend_entries(torch::Tensor query, torch::Tensor k_store, torch::
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v_layer,
                                 torch::Tensor seg_slot, torch::Tensor seg_start, torch::Tensor seg_offset,
                                 torch::Tensor seg_len, double scale);
+std::vector<torch::Tensor> prefill_attention_mass(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v_layer,
+                                                  torch::Tensor seg_slot, torch::Tensor seg_start,
+                                                  torch::Tensor seg_offset, torch::Tensor seg_len,
+                                                  torch::Tensor seg_tail, int64_t mass_len, double scale);
 bool prefill_use_vector_path(bool enabled);
 bool prefill_amx_in_use();
+bool prefill_mass_on_amx(int64_t D);
 
 // Whether tasks (here and in cpu_prefill.cpp) may take a vector implementation; returns whether one
 // is compiled in (AVX2 + FMA or AVX-512).
@@ -1210,6 +1215,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, py::arg("query"), py::arg("k_layer"), py::arg("v_layer"),
         py::arg("seg_slot"), py::arg("seg_start"), py::arg("seg_offset"), py::arg("seg_len"), py::arg("scale"),
         "causal chunked-prefill attention of packed segments over the cache (CPU, fp32/bf16 K/V)");
+  m.def("prefill_attention_mass", &prefill_attention_mass, py::arg("query"), py::arg("k_layer"),
+        py::arg("v_layer"), py::arg("seg_slot"), py::arg("seg_start"), py::arg("seg_offset"), py::arg("seg_len"),
+        py::arg("seg_tail"), py::arg("mass_len"), py::arg("scale"),
+        "prefill_attention plus the attention mass of each segment's last seg_tail tokens (AMX tiles only)");
+  m.def("prefill_mass_on_amx", &prefill_mass_on_amx, "whether prefill_attention_mass takes this head size here");
   m.def("residual_rms_norm", &residual_rms_norm, "x += delta (if given), then RMSNorm(x) * weight (CPU, fp32)");
   m.def("rope_write", &rope_write, "RoPE on fused q|k|v, keys and values into the cache; returns the queries");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate|up projection (CPU, fp32)");

@@ -23,6 +23,10 @@
 // a small vector policy (V16 / V8); a portable task covers every head size up to kMaxHeadDim on any
 // CPU. `prefill_use_vector_path(false)` (called by use_vector_path in cpu_attention.cpp) forces the
 // portable one, `use_amx(false)` (cpu_linear.cpp: the one AMX switch) the vector one.
+// prefill_attention_mass (AMX tasks only) also returns the attention mass of each segment's last
+// tokens (SnapKV's observation window), summed over them and each group's heads, from the same pass:
+// such a tail is a task of its own per KV head, which keeps its blocks' probabilities and rescales them
+// by the rows' final maxima and sums at the end; the outputs stay prefill_attention's bits.
 // Not here: decode/verify attention of a few tokens per row (cpu_attention.cpp), writing K/V into the
 // cache, sliding windows, ALiBi, soft-capping, dropout.
 
@@ -73,11 +77,14 @@ struct Problem {
   float scale;
   int64_t tile_tokens;  // query tokens per task
   bool amx;             // tasks run on the AMX tile unit (prefill_task_amx)
+  float* mass = nullptr;  // [S, KVH, mass_len]: the tail tasks' attention mass (prefill_attention_mass)
+  int64_t mass_len = 0;
 };
 
 struct Task {
   int64_t seg, kv_head, t0, tokens;  // tokens t0 .. t0 + tokens - 1 of the segment
   double cost;                        // ~ query rows x keys seen
+  bool mass = false;                  // a segment's tail: its rows' attention mass into Problem::mass
 };
 
 // Per-thread scratch, grown on demand and kept between calls (bfloat16 words for the AMX task's tiles).
@@ -592,6 +599,17 @@ void prefill_task_amx(const Problem& pb, const Task& task) {
   std::fill(o, o + padded * D, 0.0f);
   std::fill(row_max, row_max + padded, kNoMax);
   std::fill(row_sum, row_sum + padded, 0.0f);
+  // A tail task keeps every block's probabilities [block][row][key] and the maximum each row's were
+  // taken against [block][row], to rescale them by the final maxima and sums at the end (the mass).
+  const int64_t n_blocks = (keys + kAmxKeys - 1) / kAmxKeys;
+  float* block_probs = nullptr;
+  float* block_maxima = nullptr;
+  if (task.mass) {
+    block_probs = t_scratch.get(4, n_blocks * padded * kAmxKeys);
+    block_maxima = t_scratch.get(5, n_blocks * padded);
+    std::fill(block_probs, block_probs + n_blocks * padded * kAmxKeys, 0.0f);
+    std::fill(block_maxima, block_maxima + n_blocks * padded, kNoMax);
+  }
   TileConfig config;
   for (int tile = 0; tile < 8; ++tile) {
     config.colsb[tile] = 64;
@@ -654,12 +672,18 @@ void prefill_task_amx(const Problem& pb, const Task& task) {
                                                   exp2_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16), mv)));
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             split_bf16<kQParts>(p0, p1, part);
+            if (block_probs != nullptr) {
+              float* kept = block_probs + ((kb0 / kAmxKeys) * padded + r0 + m) * kAmxKeys + 32 * kd;
+              _mm512_storeu_ps(kept, p0);
+              _mm512_storeu_ps(kept + 16, p1);
+            }
           } else {
             for (int p = 0; p < kQParts; ++p) part[p] = _mm512_setzero_si512();
           }
           for (int p = 0; p < kQParts; ++p) _mm512_store_si512(prow + (kd * kQParts + p) * kTileWords, part[p]);
         }
         if (vis[m] > 0) row_sum[r0 + m] = row_sum[r0 + m] * corr[m] + _mm512_reduce_add_ps(sum);
+        if (block_maxima != nullptr && vis[m] > 0) block_maxima[(kb0 / kAmxKeys) * padded + r0 + m] = row_max[r0 + m];
       }
       // values, 32 outputs at a time: P's parts (A) times V's (B) over both depth tiles, then O = O * corr + C
       for (int64_t dt = 0; dt < dtiles; dt += 2) {
@@ -687,6 +711,19 @@ void prefill_task_amx(const Problem& pb, const Task& task) {
     float* dst = pb.out + (token * pb.H + task.kv_head * group + r % group) * D;
     const float inv = 1.0f / row_sum[r];  // >= 1: every row sees position 0 and its own maximum
     for (int64_t d = 0; d < D; ++d) dst[d] = o[r * D + d] * inv;
+  }
+  if (task.mass) {  // mass[j] = sum over rows of p(j) * 2^(its block's max - final max) / final sum, rows in order
+    float* mass = pb.mass + (task.seg * pb.KVH + task.kv_head) * pb.mass_len;
+    for (int64_t blk = 0; blk < n_blocks; ++blk) {
+      alignas(64) float acc[kAmxKeys] = {};
+      for (int64_t r = 0; r < R; ++r) {
+        const float f = std::exp2(block_maxima[blk * padded + r] - row_max[r]) / row_sum[r];
+        const float* p = block_probs + (blk * padded + r) * kAmxKeys;
+        for (int64_t i = 0; i < kAmxKeys; ++i) acc[i] += f * p[i];
+      }
+      const int64_t len = std::min(kAmxKeys, keys - blk * kAmxKeys);
+      std::copy(acc, acc + len, mass + blk * kAmxKeys);
+    }
   }
 }
 #endif  // MAGICDEC_AMX_TILES
@@ -727,15 +764,12 @@ void run_all(const Problem& pb, const std::vector<Task>& tasks) {
 
 }  // namespace
 
-// query: [N, H, D] float32 contiguous (token-major: transformers' [1, N, H, D]); k_layer, v_layer:
-// [slots, KVH, capacity, D] float32 or bfloat16 contiguous, the segments' new K/V already written;
-// seg_slot, seg_start, seg_offset, seg_len: [S] int64. Segments must not overlap in the token axis;
-// tokens no segment covers come out as zeros. scale multiplies q.k (e.g. D^-0.5).
-// Returns [N, H, D] float32: token i of segment s attends causally to positions
-// 0 .. seg_start[s] + i of slot seg_slot[s].
-torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v_layer,
-                                torch::Tensor seg_slot, torch::Tensor seg_start, torch::Tensor seg_offset,
-                                torch::Tensor seg_len, double scale) {
+namespace {
+
+// prefill_attention, and with seg_tail / mass (prefill_attention_mass) the tails' attention mass.
+torch::Tensor run_prefill(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v_layer, torch::Tensor seg_slot,
+                          torch::Tensor seg_start, torch::Tensor seg_offset, torch::Tensor seg_len, double scale,
+                          const int64_t* seg_tail, torch::Tensor* mass) {
   TORCH_CHECK(query.dtype() == torch::kFloat32 && query.is_contiguous() && query.dim() == 3,
               "query: [N, H, D] float32 contiguous");
   TORCH_CHECK(k_layer.dtype() == v_layer.dtype() && k_layer.is_contiguous() && v_layer.is_contiguous() &&
@@ -760,6 +794,10 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor k_layer, torc
     TORCH_CHECK(slot[s] >= 0 && slot[s] < k_layer.size(0), "segment slot out of range");
     TORCH_CHECK(len[s] >= 0 && start[s] >= 0 && start[s] + len[s] <= capacity, "segment beyond the cache");
     TORCH_CHECK(offset[s] >= 0 && offset[s] + len[s] <= N, "segment beyond the query's token axis");
+    if (seg_tail != nullptr) {
+      TORCH_CHECK(seg_tail[s] >= 0 && seg_tail[s] <= len[s], "a segment's tail is at most its length");
+      TORCH_CHECK(start[s] + len[s] <= mass->size(2), "the mass must cover every segment with a tail");
+    }
   }
   // Tokens no segment covers are zeroed here; the tasks write every other one (no separate fill).
   auto out = torch::empty_like(query);
@@ -792,18 +830,62 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor k_layer, torc
 #else
   pb.tile_tokens = std::max<int64_t>(1, kTileRows / pb.group);
 #endif
+  if (seg_tail != nullptr) {
+    TORCH_CHECK(pb.amx, "prefill attention mass: only the AMX task computes it (prefill_mass_on_amx)");
+    pb.mass = mass->data_ptr<float>();
+    pb.mass_len = mass->size(2);
+  }
 
+  // Tasks of up to tile_tokens tokens; a segment's tail (its last seg_tail[s] tokens) is one task of
+  // its own per KV head, whatever its length, so that one task writes each (segment, KV head)'s mass.
   std::vector<Task> tasks;
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t t0 = 0; t0 < len[s]; t0 += pb.tile_tokens) {
-      const int64_t tokens = std::min(pb.tile_tokens, len[s] - t0);
+  auto add_tasks = [&](int64_t s, int64_t from, int64_t to, int64_t step, bool with_mass) {
+    for (int64_t t0 = from; t0 < to; t0 += step) {
+      const int64_t tokens = std::min(step, to - t0);
       const double cost = static_cast<double>(tokens) * (static_cast<double>(start[s] + t0) + 0.5 * tokens + 1.0);
-      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({s, h, t0, tokens, cost});
+      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({s, h, t0, tokens, cost, with_mass});
     }
+  };
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t tail = seg_tail != nullptr ? seg_tail[s] : 0;
+    add_tasks(s, 0, len[s] - tail, pb.tile_tokens, false);
+    if (tail > 0) add_tasks(s, len[s] - tail, len[s], tail, true);
+  }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
   if (bf16) run_all<uint16_t>(pb, tasks);
   else run_all<float>(pb, tasks);
   return out;
+}
+
+}  // namespace
+
+// query: [N, H, D] float32 contiguous (token-major: transformers' [1, N, H, D]); k_layer, v_layer:
+// [slots, KVH, capacity, D] float32 or bfloat16 contiguous, the segments' new K/V already written;
+// seg_slot, seg_start, seg_offset, seg_len: [S] int64. Segments must not overlap in the token axis;
+// tokens no segment covers come out as zeros. scale multiplies q.k (e.g. D^-0.5).
+// Returns [N, H, D] float32: token i of segment s attends causally to positions
+// 0 .. seg_start[s] + i of slot seg_slot[s].
+torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v_layer,
+                                torch::Tensor seg_slot, torch::Tensor seg_start, torch::Tensor seg_offset,
+                                torch::Tensor seg_len, double scale) {
+  return run_prefill(query, k_layer, v_layer, seg_slot, seg_start, seg_offset, seg_len, scale, nullptr, nullptr);
+}
+
+// prefill_attention, plus the attention mass of each segment's last seg_tail[s] tokens (SnapKV's
+// observation window; [S] int64, 0: none): mass [S, KVH, mass_len] float32, mass[s, h, j] = the softmax
+// probability those tokens' queries of KV head h's group put on position j, summed over them (zero past
+// the segment's end and for segments without a tail). From the same pass, on the AMX tile unit only
+// (prefill_mass_on_amx); the outputs are prefill_attention's, bit for bit.
+std::vector<torch::Tensor> prefill_attention_mass(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v_layer,
+                                                  torch::Tensor seg_slot, torch::Tensor seg_start,
+                                                  torch::Tensor seg_offset, torch::Tensor seg_len,
+                                                  torch::Tensor seg_tail, int64_t mass_len, double scale) {
+  TORCH_CHECK(seg_tail.dtype() == torch::kInt64 && seg_tail.is_contiguous() && seg_tail.dim() == 1 &&
+              seg_tail.numel() == seg_slot.numel(), "seg_tail: [S] int64 contiguous");
+  auto mass = torch::zeros({seg_slot.numel(), k_layer.size(1), mass_len}, query.options());
+  auto out = run_prefill(query, k_layer, v_layer, seg_slot, seg_start, seg_offset, seg_len, scale,
+                         seg_tail.data_ptr<int64_t>(), &mass);
+  return {out, mass};
 }
 
 // Whether prefill tasks may take a vector implementation; returns whether one is compiled in.
@@ -812,6 +894,16 @@ bool prefill_use_vector_path(bool enabled) {
 #if defined(MAGICDEC_AVX512) || defined(MAGICDEC_AVX2)
   return true;
 #else
+  return false;
+#endif
+}
+
+// Whether prefill_attention_mass can take head size D here (its tasks on the AMX tile unit).
+bool prefill_mass_on_amx(int64_t D) {
+#ifdef MAGICDEC_PREFILL_AMX
+  return g_vector_path && D % kWords == 0 && magicdec_amx::amx_usable();
+#else
+  (void)D;
   return false;
 #endif
 }
