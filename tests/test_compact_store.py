@@ -47,7 +47,7 @@ def shown(compressor, slot: int, end: int, layer: int, head: int) -> dict[int, t
     for entry, pos in enumerate(entries.tolist()):
         if pos < 0:
             continue
-        real = int(kept_positions[entry]) if entry < store.kept else pos
+        real = int(kept_positions[entry]) if entry < int(store.ring_start[slot]) else pos
         assert real not in out, "a position shown twice would distort the softmax"
         out[real] = (store.k[layer, slot, head, entry], store.v[layer, slot, head, entry])
     return out
@@ -92,7 +92,7 @@ def test_store_shows_the_view_through_rounds(method, budget, sink, prompt_len, d
         # recomputes its newest committed position (as the engine's rounds do).
         first = committed - 1 if draft == "separate" else committed
         for position in range(first, committed + gamma):
-            row = int(store.rows_for(torch.tensor(position)))
+            row = int(store.rows_for(torch.tensor(position), slot))
             store.entry_pos[slot, row] = position
             k, v = torch.randn(2, LAYERS, KV_HEADS, D, generator=g).to(store.k.dtype)
             store.k[:, slot, :, row], store.v[:, slot, :, row] = k, v

@@ -146,7 +146,7 @@ def test_lean_forward_over_the_compact_store_equals_transformers_over_the_cache(
     torch.testing.assert_close(got, want, rtol=0, atol=0.01 * want.abs().max().item())
     assert (got.argmax(-1) == want.argmax(-1)).all()
     store = compressor.compact  # the new tokens' K/V went into the store, not the cache
-    rows = store.rows_for(batch.write_positions)  # [B * T]
+    rows = store.rows_for(batch.write_positions, batch.write_slots)  # [B * T]
     stored = store.k[:, batch.write_slots, :, rows]  # [B * T, layers, kv_heads, D]
     torch.testing.assert_close(stored.float(), want_kv[0], rtol=0.01, atol=0.01)
 

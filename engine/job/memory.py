@@ -52,7 +52,7 @@ def compact_bytes(recipe: Recipe, shapes: dict, slots: int, device: torch.device
         return 0
     return CompactStore.bytes_needed(layers=shapes["layers"], slots=slots, kv_heads=shapes["kv_heads"],
                                      head_dim=shapes["head_dim"], kept=method.kept_entries(d), budget=d.budget,
-                                     extra=round_scratch(recipe))
+                                     extra=round_scratch(recipe), ring_per_slot=method.compact_ring_per_slot)
 
 
 def kv_bytes(recipe: Recipe, shapes: dict, slots: int, dtype: torch.dtype, tp: int) -> int:

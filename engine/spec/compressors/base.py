@@ -69,6 +69,7 @@ class Compressor(ABC):
     observe_window = 0  # how many trailing prompt queries the prefill must hand over (SnapKV)
     compact_store = False  # whether its view can live in a `CompactStore` (kept part fixed per slot)
     compact_sinks = False  # ...whose kept entry i holds position i (StreamingLLM's sinks)
+    compact_ring_per_slot = False  # ...whose kept count is fixed at prefill (SnapKV): a ring per slot after it
     wants_mass = False  # whether it re-selects from a full-cache forward's attention mass (`observe_mass`)
     compact: CompactStore | None = None  # the draft's own bf16 store, when enabled (`enable_compact`)
 
@@ -94,7 +95,8 @@ class Compressor(ABC):
         if not self.compact_store:
             return False
         self.compact = CompactStore(self.cache, kept=self.kept_entries(self.config), budget=self.budget,
-                                    extra=extra, copy_committed=copy_committed, sinks=self.compact_sinks)
+                                    extra=extra, copy_committed=copy_committed, sinks=self.compact_sinks,
+                                    ring_per_slot=self.compact_ring_per_slot)
         return True
 
     def prefill_done(self, slot: int, prompt_len: int, observed: torch.Tensor | None,

@@ -20,14 +20,21 @@ attention over a 512-entry view costs about half as much (BENCHMARKS.md). This i
 - `refill` (a guided view, whose kept part changes every round): the kept entries whose position
   changed take that position's K/V from the cache.
 
-Layout: k, v [layers, slots, kv_heads, S, D] with S = kept + ring; entries [0, kept) hold the kept
-positions, entry kept + p % ring holds position p; `entry_pos` [slots, S] is the position each entry
-holds (-1: empty). With `sinks` (StreamingLLM) kept entry p holds position p < kept, whoever writes
-it (a prompt shorter than the sinks gets its later sinks from decoding); otherwise kept entries record
-0 (their positions differ per layer and KV head, and precede every query). The ring holds
-`budget + extra` positions (extra: the most tokens a round drafts past the committed length), so no
-position a view may still show is overwritten. Only the float32-cache path reads positions lists;
-this module neither chooses positions (compressors do) nor attends (the C++ kernel does).
+Layout: k, v [layers, slots, kv_heads, S, D]; slot b's entries [0, ring_start[b]) hold its kept
+positions, entry ring_start[b] + p % (S - ring_start[b]) holds position p (its ring); `entry_pos`
+[slots, S] is the position each entry holds (-1: empty). With `sinks` (StreamingLLM) kept entry p
+holds position p < kept, whoever writes it (a prompt shorter than the sinks gets its later sinks from
+decoding); otherwise kept entries record 0 (their positions differ per layer and KV head, and precede
+every query). A ring must hold the newest positions its view may still show, `budget - kept count`,
+plus `extra` (the most tokens a round drafts past the committed length), so that none of them is
+overwritten:
+- by default S = kept + budget + extra and every slot's ring starts at `kept` (a guided view's kept
+  count grows as a short row does; StreamingLLM's sinks sit at their own positions);
+- with `ring_per_slot` (SnapKV, whose kept count is fixed at prefill) S = budget + extra and a slot's
+  ring starts right after its own kept count: half the store at budget 1,024, and a draft step's scan
+  over it half as long (BENCHMARKS.md section 36).
+Only the float32-cache path reads positions lists; this module neither chooses positions
+(compressors do) nor attends (the C++ kernel does).
 """
 
 from __future__ import annotations
@@ -41,34 +48,50 @@ class CompactStore:
     """One compressor's store for every slot; see the module docstring for the layout."""
 
     def __init__(self, cache: KVCache, *, kept: int, budget: int, extra: int, copy_committed: bool,
-                 sinks: bool = False, dtype: torch.dtype = torch.bfloat16):
-        """kept: entries reserved for kept positions; extra: speculative positions beyond the view;
-        sinks: the kept positions are 0 .. kept - 1 (StreamingLLM)."""
+                 sinks: bool = False, ring_per_slot: bool = False, dtype: torch.dtype = torch.bfloat16):
+        """kept: entries reserved for kept positions (the most a slot keeps); extra: speculative
+        positions beyond the view; sinks: the kept positions are 0 .. kept - 1 (StreamingLLM);
+        ring_per_slot: each slot's ring starts after the kept count its `fill` gives (fixed from then on)."""
+        assert not (sinks and ring_per_slot), "sinks sit at their own positions, before a ring of budget + extra"
         self.cache = cache
         self.kept, self.budget = kept, budget
-        self.ring = budget + extra
         self.extra = extra
         self.copy_from_cache = copy_committed
         self.sinks = sinks
-        size = kept + self.ring
+        self.ring_per_slot = ring_per_slot
+        size = self.entries(kept=kept, budget=budget, extra=extra, ring_per_slot=ring_per_slot)
         shape = (cache.layers, cache.slots, cache.kv_heads, size, cache.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=cache.device)  # [layers, slots, kv_heads, S, D]
         self.v = torch.zeros(shape, dtype=dtype, device=cache.device)
         self.entry_pos = torch.full((cache.slots, size), -1, dtype=torch.long, device=cache.device)  # [slots, S]
+        self.ring_start = torch.full((cache.slots,), kept, dtype=torch.long, device=cache.device)  # [slots]
         self.stale: dict[int, tuple[int, int]] = {}  # slot -> positions [start, length) not copied yet
 
     @staticmethod
-    def bytes_needed(*, layers: int, slots: int, kv_heads: int, head_dim: int, kept: int, budget: int,
-                     extra: int, dtype: torch.dtype = torch.bfloat16) -> int:
-        return 2 * layers * slots * kv_heads * (kept + budget + extra) * head_dim * dtype.itemsize
+    def entries(*, kept: int, budget: int, extra: int, ring_per_slot: bool = False) -> int:
+        """S, the entries a slot has: its ring after at most `kept` kept ones never shows more than
+        budget - (kept count) positions at once, plus the round's extra."""
+        return budget + extra if ring_per_slot else kept + budget + extra
+
+    @classmethod
+    def bytes_needed(cls, *, layers: int, slots: int, kv_heads: int, head_dim: int, kept: int, budget: int,
+                     extra: int, ring_per_slot: bool = False, dtype: torch.dtype = torch.bfloat16) -> int:
+        size = cls.entries(kept=kept, budget=budget, extra=extra, ring_per_slot=ring_per_slot)
+        return 2 * layers * slots * kv_heads * size * head_dim * dtype.itemsize
+
+    def ring_of(self, slot: int) -> int:
+        """How many positions the slot's ring holds."""
+        return self.k.shape[3] - int(self.ring_start[slot])
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def rows_for(self, positions: torch.Tensor) -> torch.Tensor:
-        """The entry of each position (any shape of int64 positions): its sink entry, or the ring's."""
-        rows = self.kept + positions % self.ring
+    def rows_for(self, positions: torch.Tensor, slots: torch.Tensor | int) -> torch.Tensor:
+        """The entry of each position (int64 positions of any shape, slots broadcasting with them, e.g.
+        [B, T] and [B, 1]): its sink entry, or its slot's ring's."""
+        start = self.ring_start[slots]
+        rows = start + positions % (self.k.shape[3] - start)
         return torch.where(positions < self.kept, positions, rows) if self.sinks else rows
 
     def fill(self, slot: int, kept: torch.Tensor, recent_start: int, length: int) -> None:
@@ -77,6 +100,8 @@ class CompactStore:
         layers, kv_heads, n = kept.shape
         self.entry_pos[slot] = -1
         self.stale.pop(slot, None)
+        if self.ring_per_slot:
+            self.ring_start[slot] = n
         if n:
             # whole K/V rows by index_select (a row copy each; an element-wise gather took several times longer)
             device, D = kept.device, self.cache.head_dim
@@ -87,7 +112,7 @@ class CompactStore:
                 rows = full.view(-1, D).index_select(0, source.reshape(-1))  # [layers * kv_heads * n, D]
                 store[:, slot, :, :n] = rows.view(layers, kv_heads, n, D)
             self.entry_pos[slot, :n] = torch.arange(n, device=self.k.device) if self.sinks else 0
-        self._copy(slot, max(recent_start, length - self.ring), length)
+        self._copy(slot, max(recent_start, length - self.ring_of(slot)), length)
 
     def copy_committed(self, slot: int, length: int) -> None:
         """The slot committed positions up to `length`: the target's K/V of the round's ones (a round
@@ -101,19 +126,20 @@ class CompactStore:
     def sync(self, slots: list[int]) -> None:
         """Copy what `copy_committed` left due for these slots, in one copy per slot: the due positions
         a view can still show (a draft reads at ends > length, and shows at most the newest `budget`
-        ring positions). Older ones stay as they are, hidden; so do the entries a round drafts into
+        ring positions, a ring of its own budget - kept count: no more are copied, so that none lands on
+        an entry the round's drafts took). Older ones stay as they are, hidden; so do the entries a round drafts into
         (positions >= length, ring entries of positions < length - budget), whichever comes first."""
         for slot in slots:
             due = self.stale.pop(slot, None)
             if due is not None:
                 start, length = due
-                self._copy(slot, max(start, length - self.budget, 0), length)
+                self._copy(slot, max(start, length - min(self.budget, self.ring_of(slot) - self.extra), 0), length)
 
     def _copy(self, slot: int, start: int, length: int) -> None:
-        """Positions [start, length) of the cache into their entries (start >= length - ring)."""
+        """Positions [start, length) of the cache into their entries (start >= length - the slot's ring)."""
         if length > start:
             positions = torch.arange(start, length, device=self.k.device)  # [n]
-            rows = self.rows_for(positions)
+            rows = self.rows_for(positions, slot)
             self.k[:, slot, :, rows] = self.cache.k[:, slot, :, start:length].to(self.k.dtype)
             self.v[:, slot, :, rows] = self.cache.v[:, slot, :, start:length].to(self.v.dtype)
             self.entry_pos[slot, rows] = positions
@@ -138,6 +164,7 @@ class CompactStore:
 
     def release(self, slot: int) -> None:
         self.entry_pos[slot] = -1
+        self.ring_start[slot] = self.kept
         self.stale.pop(slot, None)
 
     def visible(self, slots: torch.Tensor, ends: torch.Tensor, kept_count: torch.Tensor,
@@ -148,10 +175,9 @@ class CompactStore:
         budget - kept_count positions at or after kept_end.
         """
         pos = self.entry_pos.index_select(0, slots)  # [B, S]
-        kept, ring = pos[:, : self.kept], pos[:, self.kept:]
-        kept_shown = ((torch.arange(self.kept, device=pos.device)[None, :] < kept_count[:, None])
-                      & (kept >= 0) & (kept < ends[:, None]))
+        entry = torch.arange(pos.shape[1], device=pos.device)[None, :]  # [1, S]
+        in_ring = entry >= self.ring_start.index_select(0, slots)[:, None]  # [B, S]
+        kept_shown = ~in_ring & (entry < kept_count[:, None]) & (pos >= 0) & (pos < ends[:, None])
         lowest = torch.maximum(kept_end, ends - (self.budget - kept_count))  # [B]
-        ring_shown = (ring >= lowest[:, None]) & (ring < ends[:, None])
-        shown = torch.cat([kept_shown, ring_shown], dim=1)
-        return torch.where(shown, pos, torch.full_like(pos, -1))
+        ring_shown = in_ring & (pos >= lowest[:, None]) & (pos < ends[:, None])
+        return torch.where(kept_shown | ring_shown, pos, torch.full_like(pos, -1))

@@ -22,6 +22,7 @@ from engine.spec.compressors.base import Compressor, FixedKeptView
 class SnapKV(Compressor):
     name = "snapkv"
     compact_store = True
+    compact_ring_per_slot = True  # the kept count is fixed once the prefill chose it
 
     def __init__(self, config, cache, num_heads):
         super().__init__(config, cache, num_heads)

@@ -92,7 +92,7 @@ class LeanDraft:
         ends = batch.start_tensor + T
         compact = getattr(batch.view, "compact", None)  # the view kept in the draft's own store
         if compact is not None:
-            rows = compact.rows_for(batch.positions)  # [B, T]: the new tokens' store entries
+            rows = compact.rows_for(batch.positions, batch.slot_tensor[:, None])  # [B, T]: the new tokens' store entries
             compact.entry_pos[batch.slot_tensor[:, None], rows] = batch.positions
             entries = batch.view.compact_entries()  # [B, S]
             k_store, v_store = compact.k, compact.v
