@@ -44,7 +44,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "vector_math.h"  // MAGICDEC_AVX2 / MAGICDEC_AVX512, to_float, load8, hmax8, hsum8, exp2_nonpos8
+#include "vector_math.h"  // MAGICDEC_AVX2 / MAGICDEC_AVX512, to_float, load8/16, hmax8, hsum8, exp2_nonpos8/16
 
 namespace {
 
@@ -580,12 +580,6 @@ inline __m512 reduce16(const __m512* v) {
                                    _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 // out[g] += sum_i p[g][i] * v_rows[i] for G query rows, n entries; the G x D accumulators stay in

@@ -42,7 +42,7 @@
 #include <vector>
 
 #include "amx_tiles.h"    // MAGICDEC_AMX_TILES, TileConfig, amx_permitted, split_bf16
-#include "vector_math.h"  // MAGICDEC_AVX2 / MAGICDEC_AVX512, to_float, load8, hmax8, hsum8, exp2_nonpos8/16
+#include "vector_math.h"  // MAGICDEC_AVX2 / MAGICDEC_AVX512, to_float, load8/16, hmax8, hsum8, exp2_nonpos8/16
 
 namespace {
 
@@ -432,12 +432,6 @@ constexpr int64_t kTileWords = 16 * kWords; // one 1 KB tile
 constexpr int kQParts = 3;                  // float32 queries and probabilities: three parts
 constexpr int64_t kAmxTaskRows = 384;       // query rows per task (128 tokens x 3 heads): a key block is
                                             // split into tiles once per task, for 12 pairs of row tiles
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 
 // In place: r[i] (16 dwords each) becomes column i of the 16 x 16 matrix of dwords r.
 inline void transpose16(__m512i r[16]) {

@@ -1,7 +1,8 @@
 // The small numeric pieces the kernels share (cpu_attention.cpp for a few new tokens per row,
 // cpu_prefill.cpp for prefill chunks, cpu_linear.cpp): the softmax constants, bfloat16 -> float32, an
 // allocator for cache-line-aligned scratch, and, where the build has AVX2 + FMA, 8-lane loads (float32
-// or bfloat16), horizontal max / sum and a vectorised base-2 exponential for non-positive arguments.
+// or bfloat16), horizontal max / sum and a vectorised base-2 exponential for non-positive arguments
+// (with AVX-512: 16-lane loads and exponential).
 // Each kernel keeps its own tiling and tasks; this header holds no kernel. It is compiled into each
 // translation unit (everything is inline).
 
@@ -99,6 +100,14 @@ inline __m256 exp2_nonpos8(__m256 x) {
 #endif
 
 #ifdef MAGICDEC_AVX512
+// 16-lane loads: float32, or bfloat16 widened to float32 (cpu_attention.cpp's AVX-512 task, the AMX
+// prefill task's splits).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 inline __m512 exp2_nonpos16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
