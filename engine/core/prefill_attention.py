@@ -85,6 +85,7 @@ class PrefillBatch:
         self.seg_offset = torch.tensor(offsets, dtype=torch.long, device=device)  # [S]
         self.seg_len = torch.tensor(lengths, dtype=torch.long, device=device)  # [S]
         self.last_indices = self.seg_offset + self.seg_len - 1  # [S]: each segment's last token
+        self.ends = [s.start + s.length for s in segments]  # each segment's end in its slot (exclusive)
         # Each segment's tail: its tokens in its observer's window (0 without an observer).
         self.tails = [max(s.start + s.length - max(s.observer.observe_from, s.start), 0)
                       if s.observer is not None else 0 for s in segments]
@@ -127,10 +128,9 @@ def _attend_with_tail_mass(kernel, q: torch.Tensor, k_layer: torch.Tensor, v_lay
                            batch: PrefillBatch, layer: int, scale: float) -> torch.Tensor:
     """Every token by the AMX prefill task, each segment's tail with its mass from the same pass
     (`prefill_attention_mass`); each observer gets its tail's mass. q: [N, heads, D]; returns [N, heads, D]."""
-    ends = [s.start + s.length for s in batch.segments]
     out, mass = kernel.prefill_attention_mass(q, k_layer, v_layer, batch.seg_slot, batch.seg_start, batch.seg_offset,
-                                              batch.seg_len, batch.seg_tail, max(ends), scale)  # mass: [S, kv_heads, max end]
-    for index, (segment, end) in enumerate(zip(batch.segments, ends)):
+                                              batch.seg_len, batch.seg_tail, max(batch.ends), scale)  # mass: [S, kv_heads, max end]
+    for index, (segment, end) in enumerate(zip(batch.segments, batch.ends)):
         if tail := batch.tails[index]:
             segment.observer.add_mass(layer, mass[index, :, :end], tail)
     return out
@@ -145,7 +145,7 @@ def _attend_tails(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: t
     kv_heads = k_layer.shape[1]
     segments = [batch.segments[i] for i in members]
     firsts = [batch.offsets[i] + s.length - tail for i, s in zip(members, segments)]  # tails' first tokens
-    ends = [s.start + s.length for s in segments]
+    ends = [batch.ends[i] for i in members]
     q = torch.stack([query[0, :, first:first + tail] for first in firsts])  # [B, heads, tail, D]
     # [B, kv_heads, group * tail, D]: heads of a group, token fastest (the kernel's row order)
     q = (q.float() * scale).reshape(len(members), kv_heads, (H // kv_heads) * tail, D).contiguous()
