@@ -18,15 +18,13 @@ float32 rounding. Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-from decode_setup import cpu_model_name
+from decode_setup import write_result
 from engine.core import kernels
 from engine.core.linear import FORMATS
 from engine.core.runner import ModelRunner
@@ -105,13 +103,9 @@ def main() -> None:
                 row[name]["amx_vs_panels"] = round(times["panels"] / times["panels_amx"], 2)
         results.append(row)
         print(row, flush=True)
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_model_name(),
-           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "threads": torch.get_num_threads(), "isa": kernel.vector_isa(), "amx": kernel.amx_in_use(),
-           "fused": args.fused, "flush_mb": args.flush_mb,
-           "blocks_bit_equal_to_float32": True, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, isa=kernel.vector_isa(), amx=kernel.amx_in_use(),
+                 fused=args.fused, flush_mb=args.flush_mb,
+                 blocks_bit_equal_to_float32=True, results=results)
 
 
 def as_blocks(p: PackedWeight) -> PackedWeight:

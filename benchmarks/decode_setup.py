@@ -1,12 +1,15 @@
-"""Shared by the step micro-benchmarks (step_profile.py, draft_step.py, q4_1_probe.py) and job_bench.py:
-the real default model over a cache of random K/V, a median timer and the CPU's model name. A decode
-step's cost does not depend on the cached values. Not a benchmark itself."""
+"""Shared by the step micro-benchmarks (step_profile.py, draft_step.py, q4_1_probe.py, the kernel benches)
+and job_bench.py: the real default model over a cache of random K/V, a median timer, the CPU's model
+name and a result file stamped with date, machine, commit and threads. A decode step's cost does not
+depend on the cached values. Not a benchmark itself."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -41,6 +44,15 @@ def cpu_model_name() -> str:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     return next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
                 platform.processor() or platform.machine())
+
+
+def write_result(path: Path, **fields) -> None:
+    """Write a micro-benchmark's JSON to `path`: date (UTC), machine, commit and threads, then `fields`."""
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_model_name(),
+           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+           "threads": torch.get_num_threads(), **fields}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 def random_cache_runner(batch: int, context: int) -> tuple[LoadedModel, ModelRunner, torch.Tensor]:

@@ -15,14 +15,11 @@ accuracy, not bits: the two tasks sum in different orders). Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import time
 from pathlib import Path
 
 import torch
 
-from decode_setup import cpu_model_name, median_seconds
+from decode_setup import median_seconds, write_result
 from engine.core import kernels
 
 LAYERS, KV_HEADS, HEAD_DIM, QUERY_HEADS_PER_KV = 30, 3, 64, 3  # SmolLM2-135M
@@ -69,11 +66,7 @@ def main() -> None:
         results.append(row)
         print(row, flush=True)
     kernel.use_amx(previous)
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_model_name(),
-           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "threads": torch.get_num_threads(), "isa": kernel.vector_isa(), "layers": LAYERS, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, isa=kernel.vector_isa(), layers=LAYERS, results=results)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,13 @@ checked against each other (within 1e-4). Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-from decode_setup import cpu_model_name
+from decode_setup import write_result
 from engine.bench.prompts import bench_prompts
 from engine.core import attention
 from engine.core.prefill_attention import PrefillBatch, Segment
@@ -64,11 +62,7 @@ def main() -> None:
                "speedup": round(modules_ms / lean_ms, 3)}
         results.append(row)
         print(row, flush=True)
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_model_name(),
-           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "threads": torch.get_num_threads(), "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, results=results)
 
 
 if __name__ == "__main__":

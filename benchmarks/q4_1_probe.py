@@ -16,9 +16,6 @@ The lm_head (Q8_0 in the file) is not in it. Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import time
 from pathlib import Path
 
 import gguf
@@ -27,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.cpp_extension import load
 
-from decode_setup import cpu_model_name, median_seconds
+from decode_setup import median_seconds, write_result
 from engine.core import kernels
 from engine.models.gguf import converted_gguf_folder
 from engine.models.gguf_blocks import LAYER_LINEARS, ROPE_PERMUTED, dequantise, unpermute_rope_rows
@@ -87,12 +84,8 @@ def main() -> None:
                     "ratio_two": round(fp32 / two, 2)})
         results.append(row)
         print(results[-1], flush=True)
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_model_name(),
-           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "threads": torch.get_num_threads(), "weights_exact": exact, "weights_row_permuted": permuted,
-           "layer_gemms_per_step": len(layers), "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, weights_exact=exact, weights_row_permuted=permuted,
+                 layer_gemms_per_step=len(layers), results=results)
 
 
 if __name__ == "__main__":
