@@ -28,11 +28,13 @@ decoding); otherwise kept entries record 0 (their positions differ per layer and
 every query). A ring must hold the newest positions its view may still show, `budget - kept count`,
 plus `extra` (the most tokens a round drafts past the committed length), so that none of them is
 overwritten:
-- by default S = kept + budget + extra and every slot's ring starts at `kept` (a guided view's kept
-  count grows as a short row does; StreamingLLM's sinks sit at their own positions);
-- with `ring_per_slot` (SnapKV, whose kept count is fixed at prefill) S = budget + extra and a slot's
-  ring starts right after its own kept count: half the store at budget 1,024, and a draft step's scan
-  over it half as long (BENCHMARKS.md section 36).
+- by default S = kept + budget + extra and every slot's ring starts at `kept` (StreamingLLM, whose
+  sinks sit at their own positions);
+- with `ring_per_slot` (SnapKV, guided) S = budget + extra and a slot's ring starts right after its
+  own kept count: half the store at budget 1,024, and a draft step's scan over it half as long
+  (BENCHMARKS.md sections 36-38). SnapKV's kept count is fixed at prefill; a guided view's grows
+  while a row is shorter than the budget, and then `move_ring` starts the ring after the new count
+  and fills it again from the cache.
 Only the float32-cache path reads positions lists; this module neither chooses positions
 (compressors do) nor attends (the C++ kernel does).
 """
@@ -113,6 +115,17 @@ class CompactStore:
                 store[:, slot, :, :n] = rows.view(layers, kv_heads, n, D)
             self.entry_pos[slot, :n] = torch.arange(n, device=self.k.device) if self.sinks else 0
         self._copy(slot, max(recent_start, length - self.ring_of(slot)), length)
+
+    def move_ring(self, slot: int, kept_count: int, length: int) -> None:
+        """(`ring_per_slot`, self-speculation) The slot's kept count is now kept_count (a guided view of a
+        row shorter than the budget keeps more positions as it grows): its ring starts after them, and
+        takes the committed positions a view can show, [length - (budget - kept_count), length), from the
+        cache. Called between rounds, when no draft token of the slot is past `length`."""
+        assert self.ring_per_slot and self.copy_from_cache
+        self.ring_start[slot] = kept_count
+        self.entry_pos[slot, kept_count:] = -1
+        self.stale.pop(slot, None)
+        self._copy(slot, max(length - (self.ring_of(slot) - self.extra), 0), length)
 
     def copy_committed(self, slot: int, length: int) -> None:
         """The slot committed positions up to `length`: the target's K/V of the round's ones (a round

@@ -35,10 +35,11 @@ and returns the mass, and the round's later draft steps read the view chosen fro
 
 With the lean CPU draft the view lives in the draft's compact bf16 store: after each selection only
 the kept entries whose position changed are copied from the target cache (a position that stays
-keeps its entry), the ring of newest positions is refreshed as for the other methods. On CPU the
-selection and that refill run as one C++ op (`guided_select`, engine/core/csrc/cpu_guided.cpp: a
-partial selection per (layer, row, KV head), not a sort); elsewhere, or without a compiler, as torch
-ops (`select_top`, `_refill`). Both are the rule above, and the tests hold each to a loop over
+keeps its entry), the ring of newest positions is refreshed as for the other methods (a row
+shorter than the budget, whose kept count grows, has its ring moved after it:
+`CompactStore.move_ring`). On CPU the selection and that refill run as one C++ op (`guided_select`,
+engine/core/csrc/cpu_guided.cpp: a partial selection per (layer, row, KV head), not a sort);
+elsewhere, or without a compiler, as torch ops (`select_top`, `_refill`). Both are the rule above, and the tests hold each to a loop over
 positions. This module chooses positions; it does not compute attention.
 """
 
@@ -54,6 +55,7 @@ from engine.spec.compressors.snapkv import pool_scores, prompt_window_scores
 class Guided(Compressor):
     name = "guided"
     compact_store = True
+    compact_ring_per_slot = True  # a short row's ring moves as its kept count grows (`_update`)
     wants_mass = True
 
     def __init__(self, config, cache, num_heads):
@@ -160,6 +162,7 @@ class Guided(Compressor):
             self.scores[:, slots, :, :N] = scores
         ends_t = torch.tensor(ends, dtype=torch.long, device=device)
         refill = self.compact is not None and not start
+        old_count = self.kept_count.index_select(0, slots)  # [B]
         kernel = cpu_kernels.load() if device.type == "cpu" else None
         if kernel is not None:
             kept_end = (ends_t - self.window).clamp(min=0)
@@ -182,6 +185,10 @@ class Guided(Compressor):
             self.kept[:, slots, :, : kept.shape[-1]] = kept
         self.kept_count[slots] = count
         self.kept_end[slots] = kept_end
+        if refill:
+            # Rows shorter than the budget keep more positions as they grow: their rings move up.
+            for b in (count != old_count).nonzero().flatten().tolist():
+                self.compact.move_ring(int(slots[b]), int(count[b]), committed[b])
         if not start:
             self.selected_entries += int(count.sum()) * self.cache.layers * self.cache.kv_heads
 
