@@ -148,7 +148,8 @@ def test_pqcache_retrieval_matches_brute_force():
     prompt = {0: 300, 1: 200}
     for slot, n in prompt.items():
         method.prefill_done(slot, n, None)
-    method.committed(0, 310)  # ten generated tokens committed after the prompt
+    method.committed(0, 304)  # ten generated tokens committed after the prompt, in two rounds...
+    method.committed(0, 310)  # ...whose codes are computed when a view reads the slot
     g = torch.Generator().manual_seed(5)
     query = torch.randn(2, HEADS, 1, D, generator=g)
     ends = [311, 201]

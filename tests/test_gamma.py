@@ -38,7 +38,7 @@ def drive(policy: GammaPolicy, t_target: float, t_draft: float, t_verify_slope: 
 def test_auto_speculates_when_it_pays_and_still_measures_plain_steps():
     policy = GammaPolicy("auto", gamma_max=6, replan_every=8, speculative=True)
     chosen = drive(policy, t_target=1.0, t_draft=0.1, t_verify_slope=0.05, alpha=0.9, rounds=80)
-    assert chosen[:2] == [0, GammaPolicy.PROBE_GAMMA]  # warm-up: a plain round, then a probe
+    assert chosen[:3] == [0] * GammaPolicy.WARMUP_PLAIN + [GammaPolicy.PROBE_GAMMA]  # warm-up: plain rounds, then a probe
     assert max(chosen[10:]) >= 3 and chosen[10:].count(0) <= 10  # mostly speculating, deep
     assert 0 in chosen[10:]  # an occasional plain round keeps T_T current
     assert policy.predicted_speedup > 1.5
@@ -81,8 +81,8 @@ def test_a_gamma_chosen_on_an_extrapolated_verify_time_is_replanned_once_measure
         g = policy.next_gamma()
         chosen.append(g)
         policy.observe(gamma=g, rows=8, draft_s=g * 0.1, verify_s=verify(g), accepted=[min(g, round(0.8 * g))] * 8)
-    assert chosen[:3] == [0, GammaPolicy.PROBE_GAMMA, 8]
-    assert chosen[3] < 8, chosen
+    assert chosen[:4] == [0] * GammaPolicy.WARMUP_PLAIN + [GammaPolicy.PROBE_GAMMA] + [8]
+    assert chosen[4] < 8, chosen
     measured = [best_gamma(policy.alpha, 0.1, policy.verify_time, 1.0, 8)[0]]
     assert chosen[-1] in measured + [0, GammaPolicy.PROBE_GAMMA], chosen
 
@@ -98,11 +98,27 @@ def test_a_fixed_cost_per_speculative_round_does_not_hide_the_gamma_that_pays():
         g = policy.next_gamma()
         chosen.append(g)
         policy.observe(gamma=g, rows=8, draft_s=g * 0.1, verify_s=verify(g), accepted=[min(g, round(0.9 * g))] * 8)
-    assert chosen[:2] == [0, GammaPolicy.PROBE_GAMMA]
+    assert chosen[:3] == [0] * GammaPolicy.WARMUP_PLAIN + [GammaPolicy.PROBE_GAMMA]
     assert relative_time(1, policy.alpha, 0.1, verify(1), 1.0) > 1  # the probe alone loses
     first = next(i for i, g in enumerate(chosen) if g >= 3)
-    assert first <= 3, chosen  # tried at the first plan, not after a backed-off probe
+    assert first <= 4, chosen  # tried at the first plan, not after a backed-off probe
     assert sum(g >= 3 for g in chosen[first:]) >= 0.75 * len(chosen[first:]), chosen
+
+
+def test_a_slow_first_decode_step_does_not_make_a_losing_draft_look_cheap():
+    # The job's first step pays first touches (1.5x here). Against that T_T a gamma-1 round of a
+    # draft costing 1.4 target steps would look like a win (1.4 + 1.05 < 2 x 1.5): the policy must
+    # judge it against the steps after, and decode plainly.
+    policy = GammaPolicy("auto", gamma_max=6, replan_every=8, speculative=True)
+    chosen = []
+    for round_index in range(60):
+        g = policy.next_gamma()
+        chosen.append(g)
+        verify = 1.5 if round_index == 0 else 1.0 + 0.05 * g
+        policy.observe(gamma=g, rows=8, draft_s=g * 1.4, verify_s=verify, accepted=[g] * 8)
+    assert relative_time(1, 0.999, 1.4, 1.05, 1.5) < 1 < relative_time(1, 0.999, 1.4, 1.05, 1.0)
+    assert policy.t_verify[0].value == pytest.approx(1.0)
+    assert chosen.count(0) >= 0.9 * len(chosen), chosen
 
 
 def test_fixed_gamma_and_plain_method():

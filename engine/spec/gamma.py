@@ -7,7 +7,8 @@ g minimises it, and g = 0 (plain decoding) wins when no g brings it below 1.
 
 `GammaPolicy` applies this to the running job: T_T, T_D, T_V(g) and a are measured as the job runs
 (exponential moving averages, so they follow the contexts as they grow and the batch as it drains),
-re-evaluated every `replan_every` rounds, with an occasional probe round so that a policy that chose
+re-evaluated every `replan_every` rounds (after a warm-up of two plain rounds, the first of which pays
+the job's first touches and is not counted), with an occasional probe round so that a policy that chose
 plain decoding still notices when speculation starts to pay. Probes back off while they keep losing:
 each probe of a plainly decoding policy doubles the rounds to the next one (up to `MAX_PROBE_BACKOFF`
 replan periods), and a plan that speculates again resets the interval. Such a spaced probe's T_D and
@@ -55,15 +56,23 @@ def best_gamma(alpha: float, t_draft: float, t_verify: Callable[[int], float], t
 class _Ema:
     def __init__(self, weight: float = 0.2):
         self.weight, self.value = weight, None
+        self.count = 0  # readings so far
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
+        self.count += 1
+
+    def restart(self, x: float) -> None:
+        """Forget the readings so far: x is the first that counts."""
+        self.value = x
+        self.count += 1
 
 
 class GammaPolicy:
     """Fixed gamma, or "auto": the cost model fed with what this job measures."""
 
     PROBE_GAMMA = 1  # the cheapest round that measures T_D, T_V and the acceptance
+    WARMUP_PLAIN = 2  # plain rounds before the first probe; the first one's T_T is dropped
     MAX_PROBE_BACKOFF = 8  # while decoding plainly, at most this many replan periods between probes
 
     def __init__(self, gamma: int | str, gamma_max: int, replan_every: int, speculative: bool):
@@ -97,7 +106,13 @@ class GammaPolicy:
             self.t_draft.value = None
             self.t_verify.pop(gamma, None)
         self.fresh_probe = False
-        self.t_verify.setdefault(gamma, _Ema()).add(verify_s)
+        verify = self.t_verify.setdefault(gamma, _Ema())
+        if gamma == 0 and verify.count == 1:
+            # The job's first decode step pays first touches (pages of the cache and scratch, lazily
+            # built kernels): 1.4-1.5x a later step here, which would make any draft look cheap.
+            verify.restart(verify_s)
+        else:
+            verify.add(verify_s)
         if gamma > 0:
             self.t_draft.add(draft_s / gamma)
             accepts = sum(accepted)
@@ -108,8 +123,8 @@ class GammaPolicy:
     def next_gamma(self) -> int:
         if self.fixed is not None:
             return self.fixed
-        if 0 not in self.t_verify:  # warm-up: one plain round, then one probe round
-            return 0
+        if 0 not in self.t_verify or self.t_verify[0].count < self.WARMUP_PLAIN:
+            return 0  # warm-up: plain rounds, then one probe round
         if self.t_draft.value is None:
             return self.PROBE_GAMMA
         since = self.rounds - self.planned_at if self.planned_at is not None else None

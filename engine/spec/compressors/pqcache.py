@@ -3,7 +3,9 @@
 At prefill each slot's keys are product-quantised per layer and KV head: head_dim is split into
 `subspaces` sub-vectors and each sub-space is clustered by k-means (in torch, `kmeans_iters` Lloyd
 steps on up to `kmeans_sample` evenly spaced keys) into 2^bits centroids; every key is stored as its
-centroid codes. Keys committed later are encoded with the same centroids. At each draft step the
+centroid codes. Keys committed later are encoded with the same centroids, when a draft next reads
+the slot: under `gamma: auto` most rounds may be plain, and their keys are then encoded in one
+batch, not one small batch a round (a job that decodes plainly pays nothing). At each draft step the
 query (summed over the query heads of a GQA group, since q.k is linear in q) is scored against the
 centroids once (a lookup table), every older position's approximate score is a sum of table entries,
 and the top `budget - sink - window` positions are attended to exactly, beside `sink` sinks and the
@@ -38,6 +40,7 @@ class PQCache(Compressor):
         # codes: [layers, slots, kv_heads, capacity, subspaces]
         self.codes = torch.zeros(*shape, cache.capacity, self.subspaces, dtype=code_dtype, device=cache.device)
         self.encoded = [0] * cache.slots  # positions with valid codes, per slot
+        self.length = [0] * cache.slots  # committed positions, per slot (codes up to it are due)
 
     def prefill_done(self, slot: int, prompt_len: int, observed, mass=None) -> None:
         with self.timer:
@@ -46,12 +49,18 @@ class PQCache(Compressor):
                 centroids = kmeans(keys, self.centroid_count, self.config.kmeans_iters, self.config.kmeans_sample)
                 self.centroids[layer, slot] = centroids
                 self.codes[layer, slot, :, :prompt_len] = nearest(keys, centroids).permute(0, 2, 1).to(self.codes.dtype)
-        self.encoded[slot] = prompt_len
+        self.encoded[slot] = self.length[slot] = prompt_len
 
     def committed(self, slot: int, length: int) -> None:
-        start = min(self.encoded[slot], length)
+        """Codes of positions up to `length` are due; `encode_due` computes them before a view reads them."""
+        self.length[slot] = length
+        self.encoded[slot] = min(self.encoded[slot], length)
+
+    def encode_due(self, slot: int) -> None:
+        """Encode the slot's committed keys that have no codes yet, every layer at once."""
+        start, length = self.encoded[slot], self.length[slot]
         if length > start:
-            with self.timer:  # every layer at once: a round commits only a few positions
+            with self.timer:
                 layers, kv_heads = self.cache.layers, self.cache.kv_heads
                 keys = self.cache.k[:, slot, :, start:length].float()  # [layers, kv_heads, n, D]
                 keys = keys.reshape(layers, kv_heads, length - start, self.subspaces, self.sub_dim)
@@ -60,7 +69,7 @@ class PQCache(Compressor):
         self.encoded[slot] = length
 
     def release(self, slot: int) -> None:
-        self.encoded[slot] = 0
+        self.encoded[slot] = self.length[slot] = 0
 
     def split(self, keys: torch.Tensor) -> torch.Tensor:
         """[kv_heads, n, D] -> [kv_heads, subspaces, n, sub_dim] (float32)."""
@@ -68,6 +77,8 @@ class PQCache(Compressor):
         return keys.float().view(kv_heads, n, self.subspaces, self.sub_dim).permute(0, 2, 1, 3)
 
     def view(self, slots: list[int], ends: list[int]) -> "PQView":
+        for slot in slots:
+            self.encode_due(slot)
         return PQView(self, slots, ends)
 
 
