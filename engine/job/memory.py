@@ -5,7 +5,7 @@ see `KVCache.bytes_needed`); the weights come on top, and the prefix store of ea
 (`batch.prefix_cache` tokens of K/V, `engine.core.prefix_store`), the draft's lower-precision copy of
 its linear weights (`engine.spec.draft.gemms`) when it has one, the GGUF blocks a float32 CPU model
 keeps for its few-row GEMMs (`engine.models.gguf_blocks`), and the lean CPU draft's compact bf16
-store of its StreamingLLM/SnapKV view (`engine.spec.compressors.compact`). If they do not fit in what the
+store of its StreamingLLM/SnapKV/guided view (`engine.spec.compressors.compact`). If they do not fit in what the
 device has free, the job stops with one line that says so and names the largest `batch.size` that fits.
 This module only estimates; it allocates nothing.
 """
@@ -45,7 +45,7 @@ def available_bytes(device: torch.device) -> int:
 
 
 def compact_bytes(recipe: Recipe, shapes: dict, slots: int, device: torch.device) -> int:
-    """The lean CPU draft's compact store (StreamingLLM, SnapKV), counted whenever it may be used."""
+    """The lean CPU draft's compact store (StreamingLLM, SnapKV, guided), counted whenever it may be used."""
     d = recipe.draft
     method = COMPRESSORS.get(d.method)
     if device.type != "cpu" or method is None or not method.compact_store:

@@ -69,7 +69,7 @@ class Compressor(ABC):
     observe_window = 0  # how many trailing prompt queries the prefill must hand over (SnapKV)
     compact_store = False  # whether its view can live in a `CompactStore` (kept part fixed per slot)
     compact_sinks = False  # ...whose kept entry i holds position i (StreamingLLM's sinks)
-    compact_ring_per_slot = False  # ...whose kept count is fixed at prefill (SnapKV): a ring per slot after it
+    compact_ring_per_slot = False  # ...with a ring per slot after its kept count (SnapKV, guided)
     wants_mass = False  # whether it re-selects from a full-cache forward's attention mass (`observe_mass`)
     compact: CompactStore | None = None  # the draft's own bf16 store, when enabled (`enable_compact`)
 

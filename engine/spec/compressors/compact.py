@@ -53,7 +53,7 @@ class CompactStore:
                  sinks: bool = False, ring_per_slot: bool = False, dtype: torch.dtype = torch.bfloat16):
         """kept: entries reserved for kept positions (the most a slot keeps); extra: speculative
         positions beyond the view; sinks: the kept positions are 0 .. kept - 1 (StreamingLLM);
-        ring_per_slot: each slot's ring starts after the kept count its `fill` gives (fixed from then on)."""
+        ring_per_slot: each slot's ring starts after the kept count its `fill` gives (until a `move_ring`)."""
         assert not (sinks and ring_per_slot), "sinks sit at their own positions, before a ring of budget + extra"
         self.cache = cache
         self.kept, self.budget = kept, budget
