@@ -126,7 +126,19 @@ def test_snapkv_selection_matches_brute_force(pooling):
 
 # ----------------------------------------------------------------------------- PQCache
 
-def test_kmeans_codes_are_the_nearest_centroids():
+@pytest.fixture(params=["kernel", "torch"])
+def nearest_backend(request, monkeypatch):
+    """PQCache's nearest centroids by the C++ op (skipped where it cannot be built) or by torch."""
+    from engine.core import kernels
+
+    if request.param == "kernel" and kernels.load() is None:
+        pytest.skip("the fused CPU kernel is not built here (no compiler): torch is the only path")
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "load", lambda: None)
+    return request.param
+
+
+def test_kmeans_codes_are_the_nearest_centroids(nearest_backend):
     g = torch.Generator().manual_seed(3)
     points = torch.randn(3, 200, 4, generator=g)
     centroids = kmeans(points, 16, iters=5, sample=128)
@@ -139,6 +151,23 @@ def test_kmeans_codes_are_the_nearest_centroids():
     init = points[:, torch.linspace(0, 199, 16).round().long()]
     err = lambda c: ((points - c.gather(1, nearest(points, c)[..., None].expand(-1, -1, 4))) ** 2).sum()
     assert err(centroids) < err(init)
+
+
+@pytest.mark.parametrize("groups,n,d,count", [(2, 700, 4, 256), (3, 5, 3, 20), (1, 33, 8, 7)])
+def test_nearest_centroid_matches_brute_force(nearest_backend, groups, n, d, count):
+    """Codes against the distances themselves (float64), for centroid counts below, at and off the
+    kernel's 16-lane blocks, and with a tie: of two equal centroids the kernel takes the lower index."""
+    g = torch.Generator().manual_seed(n)
+    points = torch.randn(groups, n, d, generator=g)
+    centroids = torch.randn(groups, count, d, generator=g)
+    centroids[:, -1] = centroids[:, 0]  # a tie: the lower index wins
+    codes = nearest(points, centroids)
+    assert codes.shape == (groups, n) and codes.dtype == torch.long
+    distances = ((points.double()[:, :, None, :] - centroids.double()[:, None, :, :]) ** 2).sum(-1)  # [G, n, C]
+    chosen = distances.gather(2, codes[..., None])[..., 0]
+    assert torch.allclose(chosen, distances.min(dim=2).values, rtol=1e-5, atol=1e-5)
+    if nearest_backend == "kernel":  # its tie rule (a matmul may round two equal columns apart)
+        assert (codes != count - 1).all()
 
 
 def test_pqcache_retrieval_matches_brute_force():

@@ -1,6 +1,6 @@
 """The fused CPU kernels (`engine/core/csrc`: decode/verify/draft attention, chunked-prefill attention,
-the lean draft's small ops, the guided view's selection and the few-row linear map), compiled once per
-machine on first use.
+the lean draft's small ops, the guided view's selection, PQCache's codes and the few-row linear map),
+compiled once per machine on first use.
 
 torch's C++ extension builder compiles them with the host's vector instructions (-march=native) into
 the cache folder, keyed by the sources and the CPU's flags, so a shared home directory never loads a
@@ -27,7 +27,7 @@ from engine.steps import step, waiting
 
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_draft_ops.cpp", "cpu_guided.cpp",
-                        "cpu_linear.cpp")]
+                        "cpu_linear.cpp", "cpu_pqcache.cpp")]
 # included by the sources, copied beside them
 HEADERS = [Path(__file__).with_name("csrc") / name for name in ("vector_math.h", "amx_tiles.h")]
 AMX_ENV = "MAGICDEC_AMX"  # "0": no AMX tiles (GEMM panels by AVX-512 FMAs, prefill attention by the vector task)

@@ -1161,6 +1161,8 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
                          torch::Tensor v_layer, torch::Tensor slots, torch::Tensor positions,
                          int64_t heads, int64_t kv_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+// PQCache's nearest centroids (cpu_pqcache.cpp).
+torch::Tensor pq_nearest(torch::Tensor points, torch::Tensor centroids);
 // The guided draft view's selection (cpu_guided.cpp).
 int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor kept_end, torch::Tensor old_count,
                       torch::Tensor kept, torch::Tensor hint, double hint_scale, double floor, int64_t sink,
@@ -1217,6 +1219,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("residual_rms_norm", &residual_rms_norm, "x += delta (if given), then RMSNorm(x) * weight (CPU, fp32)");
   m.def("rope_write", &rope_write, "RoPE on fused q|k|v, keys and values into the cache; returns the queries");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate|up projection (CPU, fp32)");
+  m.def("pq_nearest", &pq_nearest, py::arg("points"), py::arg("centroids"),
+        "PQCache's codes: each point's nearest centroid of its group, points [G, n, d], centroids [G, C, d]");
   m.def("guided_select", &guided_select, "the guided view's top positions per (layer, row, KV head), kept "
         "lists and compact-store entries updated in place; returns the entries rewritten");
 }

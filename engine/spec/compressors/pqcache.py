@@ -1,8 +1,9 @@
 """PQCache (Zhang et al. 2024) as a draft view: retrieve, at every draft step, the keys the query likes.
 
 At prefill each slot's keys are product-quantised per layer and KV head: head_dim is split into
-`subspaces` sub-vectors and each sub-space is clustered by k-means (in torch, `kmeans_iters` Lloyd
-steps on up to `kmeans_sample` evenly spaced keys) into 2^bits centroids; every key is stored as its
+`subspaces` sub-vectors and each sub-space is clustered by k-means (`kmeans_iters` Lloyd steps on up
+to `kmeans_sample` evenly spaced keys; each step's nearest centroids by a C++ op on CPU, `nearest`)
+into 2^bits centroids; every key is stored as its
 centroid codes. Keys committed later are encoded with the same centroids, when a draft next reads
 the slot: under `gamma: auto` most rounds may be plain, and their keys are then encoded in one
 batch, not one small batch a round (a job that decodes plainly pays nothing). At each draft step the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.core import kernels as cpu_kernels
 from engine.spec.compressors.base import Compressor, compose_view
 
 
@@ -151,13 +153,17 @@ def kmeans(points: torch.Tensor, count: int, iters: int, sample: int) -> torch.T
 def nearest(points: torch.Tensor, centroids: torch.Tensor, chunk: int = 128) -> torch.Tensor:
     """Index of the nearest centroid (squared L2). points [..., n, d], centroids [..., C, d] -> [..., n].
 
-    argmin ||x - c||^2 = argmax (x.c - ||c||^2 / 2), computed in chunks of points so the [n, C]
-    scores stay in cache.
+    argmin ||x - c||^2 = argmax (x.c - ||c||^2 / 2). On CPU one C++ op (`pq_nearest`,
+    engine/core/csrc/cpu_pqcache.cpp) whose scores stay in registers; elsewhere, or without a compiler,
+    a batched matmul in chunks of points so the [n, C] scores stay in cache.
     """
     lead = points.shape[:-2]
     n, d = points.shape[-2:]
     flat_points = points.reshape(-1, n, d)  # [G, n, d]
     flat_centroids = centroids.reshape(-1, *centroids.shape[-2:])  # [G, C, d]
+    kernel = cpu_kernels.load() if points.device.type == "cpu" and points.dtype == torch.float32 else None
+    if kernel is not None:
+        return kernel.pq_nearest(flat_points.contiguous(), flat_centroids.contiguous()).view(*lead, n)
     half_norms = (flat_centroids * flat_centroids).sum(-1)[:, None, :] / 2  # [G, 1, C]
     transposed = flat_centroids.transpose(1, 2)  # [G, d, C]
     out = torch.empty(flat_points.shape[:2], dtype=torch.long, device=points.device)  # [G, n]
