@@ -44,6 +44,8 @@ def run_config(label: str, checkout: Path, sets: list[str], args, out: Path) -> 
     output = out / f"{label}.jsonl"
     command = [sys.executable, "-m", "magicdec_cli.main", "run", args.recipe, "--input", str(Path(args.input).resolve()),
                "--output", str(output.resolve()), "--overwrite", "--json"]
+    if args.limit:
+        command += ["--limit", str(args.limit)]
     env = {**os.environ, "PYTHONPATH": str(checkout.resolve())}
     for item in [*args.common, *sets]:
         if item.startswith("env."):
@@ -113,6 +115,7 @@ def main() -> None:
     parser.add_argument("--common", default="", help="comma-separated KEY=VALUE sets for every config")
     parser.add_argument("--config", action="append", required=True, help="label=checkout:KEY=VALUE,KEY=VALUE")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--limit", type=int, default=0, help="only the first N input rows (run --limit)")
     parser.add_argument("--shapes", default="smollm2-135m", help="the model's built-in shape, for prefill FLOPs")
     args = parser.parse_args()
     args.common = [x for x in args.common.split(",") if x]
