@@ -126,16 +126,26 @@ def test_snapkv_selection_matches_brute_force(pooling):
 
 # ----------------------------------------------------------------------------- PQCache
 
-@pytest.fixture(params=["kernel", "torch"])
+@pytest.fixture(params=["kernel-vector", "kernel-portable", "torch"])
 def nearest_backend(request, monkeypatch):
-    """PQCache's nearest centroids by the C++ op (skipped where it cannot be built) or by torch."""
+    """PQCache's nearest centroids by the C++ op, its vector or portable steps (skipped where it cannot
+    be built, or has no vector steps), or by torch."""
     from engine.core import kernels
 
-    if request.param == "kernel" and kernels.load() is None:
-        pytest.skip("the fused CPU kernel is not built here (no compiler): torch is the only path")
     if request.param == "torch":
         monkeypatch.setattr(kernels, "load", lambda: None)
-    return request.param
+        yield "torch"
+        return
+    kernel = kernels.load()
+    if kernel is None:
+        pytest.skip("the fused CPU kernel is not built here (no compiler): torch is the only path")
+    compiled = kernel.use_vector_path(request.param == "kernel-vector")
+    try:
+        if request.param == "kernel-vector" and not compiled:
+            pytest.skip("no vector instructions compiled in here: the portable steps are the kernel")
+        yield "kernel"
+    finally:
+        kernel.use_vector_path(True)
 
 
 def test_kmeans_codes_are_the_nearest_centroids(nearest_backend):

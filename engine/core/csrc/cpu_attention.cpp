@@ -1126,14 +1126,16 @@ std::vector<torch::Tensor> prefill_attention_mass(torch::Tensor query, torch::Te
                                                   torch::Tensor seg_offset, torch::Tensor seg_len,
                                                   torch::Tensor seg_tail, int64_t mass_len, double scale);
 bool prefill_use_vector_path(bool enabled);
+bool pq_use_vector_path(bool enabled);  // cpu_pqcache.cpp
 bool prefill_amx_in_use();
 bool prefill_mass_on_amx(int64_t D);
 
-// Whether tasks (here and in cpu_prefill.cpp) may take a vector implementation; returns whether one
+// Whether tasks (here, in cpu_prefill.cpp and cpu_pqcache.cpp) may take a vector implementation; returns whether one
 // is compiled in (AVX2 + FMA or AVX-512).
 bool use_vector_path(bool enabled) {
   g_vector_path = enabled;
   const bool prefill_vector = prefill_use_vector_path(enabled);
+  pq_use_vector_path(enabled);
 #if defined(MAGICDEC_AVX512) || defined(MAGICDEC_AVX2)
   const bool here = true;
 #else
