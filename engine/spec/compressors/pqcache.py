@@ -3,10 +3,10 @@
 At prefill each slot's keys are product-quantised per layer and KV head: head_dim is split into
 `subspaces` sub-vectors and each sub-space is clustered by k-means (`kmeans_iters` Lloyd steps on up
 to `kmeans_sample` evenly spaced keys; each step's nearest centroids by a C++ op on CPU, `nearest`)
-into 2^bits centroids; every key is stored as its
-centroid codes. Keys committed later are encoded with the same centroids, when a draft next reads
-the slot: under `gamma: auto` most rounds may be plain, and their keys are then encoded in one
-batch, not one small batch a round (a job that decodes plainly pays nothing). At each draft step the
+into 2^bits centroids; every key is stored as its centroid codes. Keys committed later are encoded
+with the same centroids when a draft next reads the slot: under `gamma: auto` most rounds may be
+plain, and their keys are then encoded in one batch, not one small batch a round (a job that decodes
+plainly pays nothing). At each draft step the
 query (summed over the query heads of a GQA group, since q.k is linear in q) is scored against the
 centroids once (a lookup table), every older position's approximate score is a sum of table entries,
 and the top `budget - sink - window` positions are attended to exactly, beside `sink` sinks and the
