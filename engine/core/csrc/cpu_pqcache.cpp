@@ -125,11 +125,6 @@ torch::Tensor pq_nearest(torch::Tensor points, torch::Tensor centroids) {
       }
   });
   const int64_t blocks = (n + kPointBlock - 1) / kPointBlock;
-#if defined(MAGICDEC_AVX512)
-  const bool vector = g_vector_path;
-#else
-  const bool vector = false;
-#endif
   at::parallel_for(0, G * blocks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t g = task / blocks, i0 = (task % blocks) * kPointBlock, i1 = std::min(n, i0 + kPointBlock);
@@ -138,7 +133,8 @@ torch::Tensor pq_nearest(torch::Tensor points, torch::Tensor centroids) {
       for (int64_t i = i0; i < i1; ++i) {
         const float* x = pp + (g * n + i) * d;
 #if defined(MAGICDEC_AVX512)
-        const int64_t arg = vector ? nearest_avx512(x, d, columns, halves, Cp) : nearest_portable(x, d, columns, halves, Cp);
+        const int64_t arg = g_vector_path ? nearest_avx512(x, d, columns, halves, Cp)
+                                          : nearest_portable(x, d, columns, halves, Cp);
 #else
         const int64_t arg = nearest_portable(x, d, columns, halves, Cp);
 #endif

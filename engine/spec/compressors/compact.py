@@ -125,7 +125,7 @@ class CompactStore:
         self.ring_start[slot] = kept_count
         self.entry_pos[slot, kept_count:] = -1
         self.stale.pop(slot, None)
-        self._copy(slot, max(length - (self.ring_of(slot) - self.extra), 0), length)
+        self._copy(slot, self._oldest_shown(slot, length), length)
 
     def copy_committed(self, slot: int, length: int) -> None:
         """The slot committed positions up to `length`: the target's K/V of the round's ones (a round
@@ -146,7 +146,12 @@ class CompactStore:
             due = self.stale.pop(slot, None)
             if due is not None:
                 start, length = due
-                self._copy(slot, max(start, length - min(self.budget, self.ring_of(slot) - self.extra), 0), length)
+                self._copy(slot, max(start, self._oldest_shown(slot, length)), length)
+
+    def _oldest_shown(self, slot: int, length: int) -> int:
+        """The oldest committed position a view of the slot can show once `length` are committed: at
+        most `budget` ring positions, and no more than its ring holds beside a round's `extra`."""
+        return max(length - min(self.budget, self.ring_of(slot) - self.extra), 0)
 
     def _copy(self, slot: int, start: int, length: int) -> None:
         """Positions [start, length) of the cache into their entries (start >= length - the slot's ring)."""

@@ -162,7 +162,7 @@ class Guided(Compressor):
             self.scores[:, slots, :, :N] = scores
         ends_t = torch.tensor(ends, dtype=torch.long, device=device)
         refill = self.compact is not None and not start
-        old_count = self.kept_count.index_select(0, slots)  # [B]
+        old_count = self.kept_count.index_select(0, slots) if refill else None  # [B]
         kernel = cpu_kernels.load() if device.type == "cpu" else None
         if kernel is not None:
             kept_end = (ends_t - self.window).clamp(min=0)
