@@ -37,7 +37,7 @@ def time_rounds(op, base: torch.Tensor, with_store: bool, noise: float, floor: f
     for call in range(repeats + 1):
         scores = (base * (1 + noise * torch.randn_like(base))).abs().contiguous()  # [layers, B, kv_heads, N]
         start = time.perf_counter()
-        changed = op.guided_select(scores, slots, kept_end, old_count, kept, hint, 1.0, floor, SINK, TOP, *store)
+        changed = op.guided_select(scores, slots, kept_end, old_count, kept, hint, 1.0, floor, SINK, TOP, 0, *store)
         elapsed = time.perf_counter() - start
         old_count = torch.full((ROWS,), SINK + TOP, dtype=torch.long)
         if call:

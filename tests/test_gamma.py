@@ -121,6 +121,26 @@ def test_a_slow_first_decode_step_does_not_make_a_losing_draft_look_cheap():
     assert chosen.count(0) >= 0.9 * len(chosen), chosen
 
 
+@pytest.mark.parametrize("t_draft, alpha", [(0.1, 0.9), (1.2, 0.95), (0.45, 0.7)])
+def test_the_look_ahead_from_a_plain_round_is_the_next_rounds_choice(t_draft, alpha):
+    """`speculates_after_plain_round`, asked before a plain round runs, says what `next_gamma` then
+    chooses (warm-up, probes backing off, periodic plain rounds while speculating, replans), and asking
+    changes nothing."""
+    policy = GammaPolicy("auto", gamma_max=6, replan_every=8, speculative=True)
+    chosen, looked = [], {}
+    for index in range(400):
+        g = policy.next_gamma()
+        chosen.append(g)
+        if g == 0:
+            looked[index] = policy.speculates_after_plain_round()
+        accepted = [min(g, round(alpha * g + 0.49))] * 8
+        policy.observe(gamma=g, rows=8, draft_s=g * t_draft, verify_s=1.0 + 0.05 * g, accepted=accepted)
+    assert all(looked[i] == (chosen[i + 1] > 0) for i in looked if i + 1 < len(chosen)), looked
+    assert True in looked.values() and False in looked.values()
+    fresh = GammaPolicy("auto", gamma_max=6, replan_every=8, speculative=True)
+    assert drive(fresh, 1.0, t_draft, 0.05, alpha, 400) == chosen  # the look-ahead left no trace
+
+
 def test_fixed_gamma_and_plain_method():
     assert drive(GammaPolicy(3, 8, 16, speculative=True), 1, 0.1, 0.1, 0.8, 5) == [3] * 5
     assert drive(GammaPolicy("auto", 8, 16, speculative=False), 1, 0.1, 0.1, 0.8, 5) == [0] * 5

@@ -4,9 +4,10 @@
   equals the softmax probabilities of `reference_attention`'s masked attention, summed over each GQA
   group's query heads and the new tokens, and asking for it leaves the attention output unchanged.
 - Selection: after prefill (SnapKV's pooled window scores) and after rounds (the verification mass,
-  smoothed or not), every row's view per layer and KV head is exactly sinks + the top
-  `budget - sink - window` of [sink, L - window) by rank (score at or above `draft.floor` x the
-  uniform share, else recency) + the newest positions, checked with loops over positions.
+  smoothed or not, raised to its `draft.successors` predecessors' or not), every row's view per layer
+  and KV head is exactly sinks + the top `budget - sink - window` of [sink, L - window) by rank
+  (score at or above `draft.floor` x the uniform share, else recency) + the newest positions, checked
+  with loops over positions.
 - Compact store: its kept entries hold the cache's K/V of exactly the kept positions after every
   re-selection, and a position that stays kept is not copied again.
 """
@@ -155,12 +156,22 @@ def snapkv_scores(queries, keys, prompt_len, window, kernel):
     return torch.tensor([pooled(score, kernel) for score in window_attention_scores(queries, keys, prompt_len, window)])
 
 
+def raised_by_loops(scores, successors):
+    """scores [..., N] with each position's the highest of its own and the `successors` before it."""
+    out = scores.clone()
+    for p in range(scores.shape[-1]):
+        for back in range(1, min(successors, p) + 1):
+            out[..., p] = torch.maximum(out[..., p], scores[..., p - back])
+    return out
+
+
+@pytest.mark.parametrize("successors", [0, 3])
 @pytest.mark.parametrize("floor", [0.0, 1.0, 3.0])
 @pytest.mark.parametrize("smoothing", [0.0, 0.5])
-def test_selection_follows_prefill_then_each_round(selection, smoothing, floor):
+def test_selection_follows_prefill_then_each_round(selection, smoothing, floor, successors):
     cache = filled_cache(seed=1)
     config = DraftConfig(method="guided", budget=40, sink=4, window=6, kernel_size=3, smoothing=smoothing,
-                         floor=floor)
+                         floor=floor, successors=successors)
     method = Guided(config, cache, HEADS)
     g = torch.Generator().manual_seed(2)
     prompts = {0: 120, 2: 32}  # a long prompt, and one whose candidates fit the budget
@@ -192,7 +203,8 @@ def test_selection_follows_prefill_then_each_round(selection, smoothing, floor):
                 old[..., :width] = previous[..., :width]
                 want = smoothing * old + (1 - smoothing) * this
                 want[..., committed[slot]:] = 0  # rejected drafts' positions start again
-            check_view(method, slot, committed[slot] + 1, want)
+            # Rounds rank by the raised scores; the smoothed scores carried on are the unraised ones.
+            check_view(method, slot, committed[slot] + 1, raised_by_loops(want, successors))
             state[slot] = (want, committed[slot])
     assert int(method.kept_count[2]) == config.budget - config.window  # row 2 now fills its kept part
     if floor:  # the bar is met by some positions and missed by others: both orders were exercised
@@ -217,7 +229,7 @@ def test_kernel_selection_with_ties_and_any_pivot_hint():
         kept = torch.full((layers, slots_n, H, sink + top), -7, dtype=torch.long)
         hint = torch.full((layers, B, H), hint_value)
         changed = kernel.guided_select(scores, slots, kept_end, torch.zeros(B, dtype=torch.long), kept, hint,
-                                       1.0, 0.0, sink, top, None, None, None, None)
+                                       1.0, 0.0, sink, top, 0, None, None, None, None)
         assert changed == 0  # no store given
         for layer in range(layers):
             for b in range(B):
@@ -296,3 +308,6 @@ def test_recipe_keys_are_validated():
             recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "reselect_every": bad}})
     every = recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "reselect_every": 4}}).draft.reselect_every
     assert every == 4
+    with pytest.raises(JobError, match="draft.successors"):
+        recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "successors": -1}})
+    assert recipe_from_dict({"model": "tiny", "draft": {"method": "guided", "successors": 2}}).draft.successors == 2

@@ -14,6 +14,7 @@ from conftest import make_tiny, random_prompts
 from engine.spec.draft import forward as draft_forward
 from engine.config.loading import recipe_from_dict
 from engine.spec.decoder import build_engine
+from engine.spec.gamma import GammaPolicy
 from engine.errors import JobError
 from engine.models.loading import LoadedModel
 from engine.core.sequence import Request, Sequence
@@ -143,6 +144,37 @@ def test_guided_reselecting_every_few_rounds_is_lossless(setup, monkeypatch, dra
     monkeypatch.setattr(compressor, "observe_mass", counted)
     assert run(engine, prompts) == plain
     assert compressor.spec_rounds > 6 and observed_at == list(range(0, compressor.spec_rounds, 3))
+
+
+def test_a_guided_view_is_chosen_in_the_plain_round_before_speculation(setup, monkeypatch):
+    """Under gamma: auto a self-speculating guided draft re-selects in the plain rounds the policy says
+    come right before a speculative one (the warm-up's last, so the first probe reads a view one round
+    old, not the prompt's), in every speculative round, and in no other round; the output is plain's."""
+    loaded, prompts, eos = setup
+    loaded.eos_token_ids = (eos,)
+    plain = run(build_engine(recipe("none"), loaded), prompts)
+    engine = build_engine(recipe_from_dict({**recipe("guided").to_dict(), "spec": {"gamma": "auto", "replan_every": 4}}),
+                          loaded)
+    decoder, compressor = engine.decoder, engine.decoder.compressor
+    rounds = []  # per round: [gamma, refresh_view, the tokens per row of each re-selection in it]
+    run_round, observe = decoder.rounds.run, compressor.observe_mass
+
+    def running(seqs, gamma, *, refresh_view=False):
+        rounds.append([gamma, refresh_view, []])
+        return run_round(seqs, gamma, refresh_view=refresh_view)
+
+    def observing(mass, rows, slots, ends, committed, tokens):
+        rounds[-1][2].append(tokens)
+        observe(mass, rows, slots, ends, committed, tokens)
+
+    monkeypatch.setattr(decoder.rounds, "run", running)
+    monkeypatch.setattr(compressor, "observe_mass", observing)
+    assert run(engine, prompts) == plain
+    assert all(seen == ([1] if refresh else []) for gamma, refresh, seen in rounds if gamma == 0), rounds
+    assert all(seen == [gamma + 1] for gamma, _, seen in rounds if gamma > 0), rounds
+    warm_up = GammaPolicy.WARMUP_PLAIN
+    assert [r[:2] for r in rounds[:warm_up + 1]] == [[0, False]] * (warm_up - 1) + [[0, True], [GammaPolicy.PROBE_GAMMA, False]]
+    assert sum(refresh for _, refresh, _ in rounds) >= 2, rounds
 
 
 def test_speculation_with_fixed_gamma_one_and_auto(setup):

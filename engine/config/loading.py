@@ -268,6 +268,8 @@ def _validate(r: Recipe, source: str) -> None:
         fail("draft.floor", f"must be >= 0, got {d.floor!r}")
     if d.reselect_every < 1:
         fail("draft.reselect_every", f"must be >= 1, got {d.reselect_every!r}")
+    if d.successors < 0:
+        fail("draft.successors", f"must be >= 0, got {d.successors!r}")
     if d.pooling not in POOLINGS:
         fail("draft.pooling", f"must be {_one_of(POOLINGS)}, got {d.pooling!r}")
     if not 1 <= d.bits <= 12:

@@ -27,7 +27,8 @@ OUTPUT_ORDERS = ("input", "finish")  # output.order
 DRAFT_SHARED_KEYS = ("method", "model", "budget", "linear_dtype")  # every method but none
 DRAFT_METHOD_KEYS = {"none": (), "streamingllm": ("sink",), "snapkv": ("window", "kernel_size", "pooling"),
                      "pqcache": ("sink", "window", "subspaces", "bits", "kmeans_iters", "kmeans_sample"),
-                     "guided": ("sink", "window", "kernel_size", "pooling", "smoothing", "floor", "reselect_every")}
+                     "guided": ("sink", "window", "kernel_size", "pooling", "smoothing", "floor", "reselect_every",
+                                "successors")}
 
 # The sampling keys a row may set for itself (OpenAI batch body fields, or `input.sampling_columns`).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop")
@@ -45,6 +46,7 @@ class DraftConfig:
     smoothing: float = 0.0  # guided: weight of the previous round's scores, score = s * previous + (1 - s) * this round's
     floor: float = 1.0  # guided: positions scoring under floor x the uniform share (1 / positions) are ranked by recency
     reselect_every: int = 1  # guided: speculative rounds per re-selection (1: after every round's verification)
+    successors: int = 4  # guided: after a round, a position ranks by the highest score of itself and the `successors` before it
     subspaces: int = 16  # pqcache: sub-vectors per key (must divide head_dim)
     bits: int = 8  # pqcache: log2 of centroids per sub-space
     kmeans_iters: int = 6  # pqcache: Lloyd iterations at prefill

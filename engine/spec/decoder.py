@@ -54,6 +54,8 @@ class SpeculativeDecoder:
                                   speculative=draft is not None)
         self.agree = agree or (lambda value: value)
         self.separate_draft = draft is not None and draft is not target
+        # A self-speculating guided draft's view comes from the target's full-cache forwards.
+        self.refreshes_view = draft is target and self.compressor is not None and self.compressor.wants_mass
         # Every admitted prompt goes into the target's cache (the compressor watches it when the draft
         # reads the target's cache) and into a separate draft's own cache (which it watches then).
         self.prefill_targets = [PrefillTarget(target, self.compressor if draft is target else None, stores[0])]
@@ -71,14 +73,18 @@ class SpeculativeDecoder:
 
     def step(self, seqs: list[Sequence]) -> RoundRecord:
         gamma = self.agree(self.policy.next_gamma())
+        # A guided view read by a probe (or the first round back to speculation) is chosen in the plain
+        # round before it, not rounds before; every rank takes rank 0's answer, as for gamma.
+        refresh = not gamma and self.refreshes_view and bool(self.agree(int(self.policy.speculates_after_plain_round())))
         before = self.stats.decode_tokens
         t0 = time.perf_counter()
-        draft_s, verify_s, select_s, accepted = self.rounds.run(seqs, gamma)
+        draft_s, verify_s, select_s, accepted = self.rounds.run(seqs, gamma, refresh_view=refresh)
         seconds = time.perf_counter() - t0
         self.stats.decode_s += seconds
-        # A selection after verification (the guided view) is a per-round cost, like verification's.
-        self.policy.observe(gamma=gamma, rows=len(seqs), draft_s=draft_s, verify_s=verify_s + select_s,
-                            accepted=accepted)
+        # A selection after verification (the guided view) is a per-round cost, like verification's;
+        # a plain round's is the next round's preparation, not part of T_T.
+        self.policy.observe(gamma=gamma, rows=len(seqs), draft_s=draft_s,
+                            verify_s=verify_s + (select_s if gamma else 0.0), accepted=accepted)
         return RoundRecord(rows=len(seqs), gamma=gamma, seconds=seconds, draft_s=draft_s, verify_s=verify_s,
                            emitted=self.stats.decode_tokens - before, select_s=select_s)
 

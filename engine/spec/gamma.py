@@ -19,11 +19,13 @@ functions with times predicted from a roofline instead of measured. Where the me
 extrapolated costs say "plain" but an unmeasured gamma would pay even at the cost of the largest
 measured one below it, that gamma is tried once before the policy settles on plain decoding (a
 fixed per-round cost makes the straight-line extrapolation from gamma 0 and 1 overstate the others).
-No model code here.
+`speculates_after_plain_round` tells the decoder, before a plain round, whether the next one will
+draft (a guided view is then chosen from that plain round's forward). No model code here.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable
 
@@ -151,6 +153,20 @@ class GammaPolicy:
                 self.last_probe = self.rounds
                 return self.PROBE_GAMMA
         return self.current
+
+    def speculates_after_plain_round(self) -> bool:
+        """Whether the round after a plain one about to run would draft, by the policy's state now (the
+        plain round's own reading counted, not its value): `next_gamma` run one round ahead on a copy.
+        A guided view is chosen from a full-cache forward's attention; the plain round before a
+        probe or a return to speculation is such a forward, and its view is the one the drafts read."""
+        if self.fixed is not None:
+            return self.fixed > 0
+        ahead = copy.copy(self)  # next_gamma only rebinds scalar attributes (on the copy)
+        ahead.rounds += 1
+        plain = copy.copy(self.t_verify.get(0)) or _Ema()
+        plain.count += 1
+        ahead.t_verify = {**self.t_verify, 0: plain}
+        return ahead.next_gamma() > 0
 
     def verify_time(self, gamma: int) -> float:
         """Measured T_V(g), or a least-squares line through the measured points for unmeasured g."""

@@ -45,9 +45,10 @@ class RoundRunner:
         tokens, probs = sampling.choose(logits)
         return self.sync(tokens), probs
 
-    def run(self, seqs: list[Sequence], gamma: int) -> tuple[float, float, float, list[int]]:
+    def run(self, seqs: list[Sequence], gamma: int, *, refresh_view: bool = False) -> tuple[float, float, float, list[int]]:
         """Advance every row by one round; returns (draft seconds, verify seconds, seconds of the
-        selection after verification (a guided view), accepted per row)."""
+        selection after verification (a guided view), accepted per row). refresh_view: a plain round
+        whose forward also re-selects a guided view (self-speculation), because the next round drafts."""
         device = self.target.device
         cache = self.target.cache
         slots = [s.slot for s in seqs]
@@ -55,10 +56,11 @@ class RoundRunner:
         pending = torch.tensor([s.pending_token for s in seqs], dtype=torch.long, device=device)  # [B]
         sampling = BatchSampling.of(seqs, device)
 
-        # A guided draft re-selects its view from the attention mass of this round's full-cache forward
-        # (speculative rounds only: a plain round's view would not be read before the next selection
-        # anyway), every round or every few (`draft.reselect_every`).
+        # A guided draft re-selects its view from the attention mass of this round's full-cache forward:
+        # speculative rounds (every one or every few, `draft.reselect_every`), and a plain round that
+        # the decoder says comes right before a speculative one (otherwise its view is not read).
         observes = bool(gamma) and self.compressor is not None and self.compressor.observes_round()
+        observes = observes or (refresh_view and not gamma and self.self_speculation)
         t0 = time.perf_counter()
         drafts, draft_probs = ([], [])
         if gamma:

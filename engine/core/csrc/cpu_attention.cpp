@@ -1168,7 +1168,7 @@ torch::Tensor pq_nearest(torch::Tensor points, torch::Tensor centroids);
 // The guided draft view's selection (cpu_guided.cpp).
 int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor kept_end, torch::Tensor old_count,
                       torch::Tensor kept, torch::Tensor hint, double hint_scale, double floor, int64_t sink,
-                      int64_t top, c10::optional<torch::Tensor> k_store,
+                      int64_t top, int64_t successors, c10::optional<torch::Tensor> k_store,
                       c10::optional<torch::Tensor> v_store, c10::optional<torch::Tensor> k_cache,
                       c10::optional<torch::Tensor> v_cache);
 

@@ -13,7 +13,8 @@
 // the view), a position that was kept before keeps its entry; each newly kept position takes a freed
 // entry (lowest first) and its K/V are copied there from the float32 cache, so only changed entries
 // are written. The rule and its torch twin are `engine/spec/compressors/guided.py`; this file only
-// computes them.
+// computes them. With `successors` > 0 each position first takes the highest score of itself and the
+// positions just before it (a copy; the rule is the same on those raised scores).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -32,11 +33,13 @@
 // kv_heads] float32, the previous round's threshold per task times hint_scale (<= 0: none; the
 // scale makes rounds of different scores' scales comparable; scores x hint_scale are per-query
 // probabilities), updated in place (a speed-up only: the result does not depend on it). floor >= 0.
+// successors >= 0: each position ranks by the highest score of itself and the `successors` positions
+// before it (the raised scores are a per-task copy; `scores` is not written).
 // k_store, v_store: [layers, slots, kv_heads, S, D] bfloat16 and k_cache, v_cache [layers, slots,
 // kv_heads, capacity, D] float32, all given or none. Returns the number of store entries rewritten.
 int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor kept_end, torch::Tensor old_count,
                       torch::Tensor kept, torch::Tensor hint, double hint_scale, double floor, int64_t sink,
-                      int64_t top, c10::optional<torch::Tensor> k_store,
+                      int64_t top, int64_t successors, c10::optional<torch::Tensor> k_store,
                       c10::optional<torch::Tensor> v_store, c10::optional<torch::Tensor> k_cache,
                       c10::optional<torch::Tensor> v_cache) {
   TORCH_CHECK(scores.dtype() == torch::kFloat32 && scores.is_contiguous() && scores.dim() == 4, "scores [L, B, H, N] float32");
@@ -49,6 +52,7 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
   const int64_t layers = scores.size(0), B = scores.size(1), KVH = scores.size(2), N = scores.size(3);
   const int64_t n_slots = kept.size(1), K = kept.size(3);
   TORCH_CHECK(kept.size(0) == layers && kept.size(2) == KVH && K >= sink + top, "kept shape");
+  TORCH_CHECK(successors >= 0, "successors >= 0");
   const float* sp = scores.data_ptr<float>();
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   const int64_t* end_p = kept_end.data_ptr<int64_t>();
@@ -81,6 +85,7 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
   at::parallel_for(0, layers * B * KVH, 1, [&](int64_t begin, int64_t stop) {
     std::vector<int64_t> chosen(sink + top + 1);
     std::vector<float> values(std::max<int64_t>(N - sink, 0));
+    std::vector<float> raised(successors > 0 ? N : 0);
     std::vector<uint8_t> mark(with_store ? N : 0, 0), stays;
     std::vector<std::pair<int64_t, int64_t>> moves;  // (store entry, position) to copy
     int64_t local = 0;
@@ -88,6 +93,12 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
       const int64_t l = task / (B * KVH), b = (task / KVH) % B, h = task % KVH;
       const float* s = sp + task * N;
       const int64_t end = end_p[b];
+      if (successors > 0) {  // a running maximum over each position and the `successors` before it
+        std::copy(s, s + end, raised.begin());
+        for (int64_t back = 1; back <= successors; ++back)
+          for (int64_t p = back; p < end; ++p) raised[p] = std::max(raised[p], s[p - back]);
+        s = raised.data();
+      }
       const int64_t sinks = std::min(sink, std::max<int64_t>(end, 0));
       const int64_t candidates = std::max<int64_t>(end - sink, 0);
       const int64_t take = std::min(candidates, top);

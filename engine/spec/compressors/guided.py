@@ -19,11 +19,18 @@ After each round, per row, layer and KV head, this view keeps:
 With `draft.reselect_every` k > 1 the view is chosen after every k-th speculative round only (the
 verification of the rounds between returns no mass, and their drafts read the kept part as it was,
 with the newest positions sliding as for SnapKV): the selection's cost and the mass's share of
-verification are paid once per k rounds, against a view up to k rounds old.
+verification are paid once per k rounds, against a view up to k rounds old. Under `gamma: auto` a
+plain round's forward returns its mass too when the next round drafts (the decoder asks
+`GammaPolicy.speculates_after_plain_round`), so a probe after plain rounds reads a view one round
+old, not one chosen before them.
 
 The score is the round's mass divided by the number of queries (group heads x tokens), so rounds of
 different gamma weigh alike; with `draft.smoothing` s > 0 it is s x the previous score + (1 - s) x
-this round's (positions past the committed length, rejected drafts, start again from 0). At prefill
+this round's (positions past the committed length, rejected drafts, start again from 0). With
+`draft.successors` n > 0 a position ranks by the highest score of itself and the n positions before
+it: a head that copies (an induction head reading position p for this token reads p + 1 for the
+next) reads next round the positions just after those it read in this one, which no query of this
+round scored yet (the smoothed scores carried to the next round are the unraised ones). At prefill
 the scores are SnapKV's: the prompt's last `window` queries' attention over the prompt, pooled with
 `kernel_size` (`engine.spec.compressors.snapkv`), so the first round is already guided. A row whose
 candidates number at most `budget - sink - window` keeps all of them, i.e. reads everything.
@@ -163,6 +170,7 @@ class Guided(Compressor):
         ends_t = torch.tensor(ends, dtype=torch.long, device=device)
         refill = self.compact is not None and not start
         old_count = self.kept_count.index_select(0, slots) if refill else None  # [B]
+        successors = 0 if start else self.config.successors  # a prefill's scores are pooled already
         kernel = cpu_kernels.load() if device.type == "cpu" else None
         if kernel is not None:
             kept_end = (ends_t - self.window).clamp(min=0)
@@ -172,11 +180,13 @@ class Guided(Compressor):
             self.changed_entries += kernel.guided_select(scores.contiguous(), slots, kept_end,
                                                          self.kept_count.index_select(0, slots), self.kept,
                                                          hint, scale, self.config.floor, self.sink, self.top,
-                                                         *store)
+                                                         successors, *store)
             self.threshold[:, slots] = 0.0 if start else hint
             if refill:
                 self._mark_kept_entries(slots, count)
         else:
+            if successors > 0:
+                scores = carry_to_successors(scores, successors)
             if self.config.floor > 0:
                 scores = rank_faint_by_recency(scores, (ends_t - self.window).clamp(min=0), self.config.floor / scale)
             kept, count, kept_end = select_top(scores, ends_t, sink=self.sink, window=self.window, top=self.top)
@@ -251,6 +261,15 @@ def rank_faint_by_recency(scores: torch.Tensor, kept_end: torch.Tensor, floor: f
     positions = torch.arange(N, device=scores.device, dtype=torch.float32)[None, :]  # [1, N]
     recency = bar * (positions + 1) / (length[:, None] + 2)  # [B, N]: under the bar for p < kept_end
     return torch.where(scores < bar[None, :, None, :], recency[None, :, None, :], scores)
+
+
+def carry_to_successors(scores: torch.Tensor, successors: int) -> torch.Tensor:
+    """scores [..., N] with each position raised to the highest score of the `successors` positions
+    before it (a one-sided running maximum)."""
+    shape = scores.shape
+    flat = scores.reshape(-1, 1, shape[-1])
+    padded = torch.nn.functional.pad(flat, (successors, 0))
+    return torch.nn.functional.max_pool1d(padded, successors + 1, stride=1).view(shape)
 
 
 def select_top(scores: torch.Tensor, ends: torch.Tensor, *, sink: int, window: int,
