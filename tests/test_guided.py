@@ -157,7 +157,8 @@ def snapkv_scores(queries, keys, prompt_len, window, kernel):
 
 
 def raised_by_loops(scores, successors):
-    """scores [..., N] with each position's the highest of its own and the `successors` before it."""
+    """scores [..., N] with each position's score raised to the highest of itself and the
+    `successors` positions before it, by loops."""
     out = scores.clone()
     for p in range(scores.shape[-1]):
         for back in range(1, min(successors, p) + 1):

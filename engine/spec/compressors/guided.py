@@ -46,8 +46,9 @@ keeps its entry), the ring of newest positions is refreshed as for the other met
 shorter than the budget, whose kept count grows, has its ring moved after it:
 `CompactStore.move_ring`). On CPU the selection and that refill run as one C++ op (`guided_select`,
 engine/core/csrc/cpu_guided.cpp: a partial selection per (layer, row, KV head), not a sort);
-elsewhere, or without a compiler, as torch ops (`select_top`, `_refill`). Both are the rule above, and the tests hold each to a loop over
-positions. This module chooses positions; it does not compute attention.
+elsewhere, or without a compiler, as torch ops (`carry_to_successors`, `select_top`, `_refill`). Both
+are the rule above, and the tests hold each to a loop over positions. This module chooses positions;
+it does not compute attention.
 """
 
 from __future__ import annotations
@@ -264,8 +265,8 @@ def rank_faint_by_recency(scores: torch.Tensor, kept_end: torch.Tensor, floor: f
 
 
 def carry_to_successors(scores: torch.Tensor, successors: int) -> torch.Tensor:
-    """scores [..., N] with each position raised to the highest score of the `successors` positions
-    before it (a one-sided running maximum)."""
+    """scores [..., N] with each position's score raised to the highest of itself and the `successors`
+    positions before it (a one-sided running maximum; the torch twin of the C++ op's raise)."""
     shape = scores.shape
     flat = scores.reshape(-1, 1, shape[-1])
     padded = torch.nn.functional.pad(flat, (successors, 0))
