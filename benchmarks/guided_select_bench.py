@@ -2,8 +2,9 @@
 worth of tasks: 30 layers x 16 rows x 3 KV heads over 3,328 scores, sink 16, top 464 (budget 512,
 window 32), without and with the compact store's refill, at three amounts of change between rounds
 (scores = the last round's x (1 + noise x N(0, 1)); churn: the share of kept entries rewritten), with
-`draft.floor` 0 (by score alone) and 1 (faint positions by recency), for scores u^8 (more positions
-above the floor's bar than `top`: a selection by score) and u^32 (fewer: no selection), u uniform.
+`draft.floor` 0 (by score alone) and 1 (faint positions by recency), `draft.successors` 0 and 4 (each
+position raised to its 4 predecessors' scores first), for scores u^8 (more positions above the floor's
+bar than `top`: a selection by score) and u^32 (fewer: no selection), u uniform.
 Median of 5 calls after one. Run it with PYTHONPATH at a checkout to time that checkout's op. Not a test.
 """
 
@@ -19,7 +20,7 @@ LAYERS, ROWS, KV_HEADS, POSITIONS, HEAD_DIM = 30, 16, 3, 3328, 64
 SINK, TOP, STORE_ENTRIES, CAPACITY = 16, 464, 1024 + 64, 4096
 
 
-def time_rounds(op, base: torch.Tensor, with_store: bool, noise: float, floor: float,
+def time_rounds(op, base: torch.Tensor, with_store: bool, noise: float, floor: float, successors: int,
                 repeats: int = 5) -> tuple[float, float]:
     """(median ms per call, mean churn) over `repeats` calls after a first one."""
     slots = torch.arange(ROWS)
@@ -37,7 +38,7 @@ def time_rounds(op, base: torch.Tensor, with_store: bool, noise: float, floor: f
     for call in range(repeats + 1):
         scores = (base * (1 + noise * torch.randn_like(base))).abs().contiguous()  # [layers, B, kv_heads, N]
         start = time.perf_counter()
-        changed = op.guided_select(scores, slots, kept_end, old_count, kept, hint, 1.0, floor, SINK, TOP, 0, *store)
+        changed = op.guided_select(scores, slots, kept_end, old_count, kept, hint, 1.0, floor, SINK, TOP, successors, *store)
         elapsed = time.perf_counter() - start
         old_count = torch.full((ROWS,), SINK + TOP, dtype=torch.long)
         if call:
@@ -53,11 +54,12 @@ def main() -> None:
         base /= base.sum(-1, keepdim=True)  # per-query probabilities
         above = float((base >= 1 / (POSITIONS - 32)).sum(-1).float().mean())
         for floor in (0.0, 1.0):
-            for noise in (0.0, 0.3, 1.0):
-                alone, _ = time_rounds(op, base, False, noise, floor)
-                refilled, churn = time_rounds(op, base, True, noise, floor)
-                print(f"u^{peak} ({above:.0f} positions above the bar), floor {floor}, noise {noise}: selection "
-                      f"{alone:.1f} ms, with the refill {refilled:.1f} ms (churn {churn:.2f})")
+            for successors in (0, 4):
+                for noise in (0.0, 0.3, 1.0):
+                    alone, _ = time_rounds(op, base, False, noise, floor, successors)
+                    refilled, churn = time_rounds(op, base, True, noise, floor, successors)
+                    print(f"u^{peak} ({above:.0f} positions above the bar), floor {floor}, successors {successors}, "
+                          f"noise {noise}: selection {alone:.1f} ms, with the refill {refilled:.1f} ms (churn {churn:.2f})")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,9 @@ class SpeculativeDecoder:
         gamma = self.agree(self.policy.next_gamma())
         # A guided view read by a probe (or the first round back to speculation) is chosen in the plain
         # round before it, not rounds before; every rank takes rank 0's answer, as for gamma.
-        refresh = not gamma and self.refreshes_view and bool(self.agree(int(self.policy.speculates_after_plain_round())))
+        refresh = False
+        if not gamma and self.refreshes_view:
+            refresh = bool(self.agree(int(self.policy.speculates_after_plain_round())))
         before = self.stats.decode_tokens
         t0 = time.perf_counter()
         draft_s, verify_s, select_s, accepted = self.rounds.run(seqs, gamma, refresh_view=refresh)
