@@ -142,11 +142,12 @@ def test_panels_give_the_product_and_a_rows_bits_do_not_depend_on_its_batch(pane
         assert torch.equal(got, reverse.flip(0))
 
 
-def test_amx_panels_take_every_row_count_that_torch_took(panel_kernel):
+def test_amx_panels_take_every_row_count_that_torch_took(panel_kernel, monkeypatch):
     """Past max_rows() (a verification forward's gamma + 1 rows per sequence, a prefill chunk) torch's
-    GEMM takes float32 and AVX-512 panel calls; AMX panels stay in the kernel at any number of rows (in
-    passes of 128), so those rows get a plain step's arithmetic: a row's bits the same as alone, across
-    the passes too. With the tiles switched off, torch again."""
+    GEMM takes float32 calls, and AVX-512 panel calls past their measured limit; AMX panels stay in the
+    kernel at any number of rows (in passes of 128), so those rows get a plain step's arithmetic: a
+    row's bits the same as alone, across the passes too. With the tiles switched off and the AVX-512
+    panels' limit at max_rows(), torch again."""
     if not panel_kernel.amx_in_use():
         pytest.skip("no AMX tiles here (a CPU with AMX-BF16 and a kernel built for it)")
     blocks = quantised("q4_1", 32, 64, seed=7)
@@ -161,6 +162,7 @@ def test_amx_panels_take_every_row_count_that_torch_took(panel_kernel):
         bound = 4 * 64 * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T) + 1e-6
         assert ((got.double() - want).abs() <= bound).all()
         previous = panel_kernel.use_amx(False)
+        monkeypatch.setitem(engine_linear._state, "panel_rows", engine_linear.max_rows())
         try:
             assert torch.equal(engine_linear.linear(x, weight, None, packed), F.linear(x, weight))
         finally:

@@ -26,7 +26,11 @@ for a row whatever its batch); where the CPU has AMX tiles (and `MAGICDEC_AMX` i
 are multiplied by them instead, x split into three bfloat16 parts so that every product is exact
 (float32 accuracy; other bits again, still the same for a row whatever its batch), for any number of
 rows: decode steps, verification forwards and prefill chunks alike (faster than torch's GEMM from 1.5x
-at 16 rows of the lm_head to 1.4x at a 512-token chunk, BENCHMARKS.md sections 30 and 31). Not
+at 16 rows of the lm_head to 1.4x at a 512-token chunk, BENCHMARKS.md sections 30 and 31). Without
+the tiles, panel calls take the kernel up to the row count at which this machine measured torch's
+GEMM faster (`engine.core.panel_rows`, once per machine; every count up to a 512-token chunk on a
+Zen 4, ~96 rows on a Xeon), not only up to `max_rows()`: a verification forward's 48-144 rows then
+get a plain step's arithmetic, 1.8x faster at 48 rows there (BENCHMARKS.md section 40). Not
 here: low-precision draft GEMMs (`engine.spec.draft.gemms`), sharded layers (DeepSpeed's keep their
 own forward), attention.
 """
@@ -42,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core import kernels as cpu_kernels
+from engine.core import panel_rows
 from engine.models.gguf_blocks import PANEL_FORMATS, PANEL_OUTPUTS, PackedWeight, attach_gguf_blocks, to_panels
 from engine.models.loading import GgufSource
 
@@ -100,8 +105,13 @@ def linear_path(device: torch.device, dtype: torch.dtype, model: torch.nn.Module
         if packed:
             counts = ", ".join(f"{packed.count(name)} {FORMAT_NAMES[name]}" for name in sorted(set(packed)))
             path += f"; reads GGUF blocks for {counts} weights"
-            if any(name in PANEL_FORMATS.values() for name in packed) and _kernel().amx_in_use():
-                path += " (panels by AMX tiles, bfloat16 x 3, any number of rows)"
+            if any(name in PANEL_FORMATS.values() for name in packed):
+                if _kernel().amx_in_use():
+                    path += " (panels by AMX tiles, bfloat16 x 3, any number of rows)"
+                else:
+                    limit = panel_row_limit()
+                    rows = "any number of rows" if limit == math.inf else f"up to {int(limit)} rows"
+                    path += f" (panels for {rows}: faster than torch's GEMM there, measured on this machine)"
         return path
     return "torch"
 
@@ -134,16 +144,34 @@ def _kernel_for_input(x: torch.Tensor, limit: float):
 def _row_limit(blocks_args: dict) -> float:
     """The most rows the kernel takes for a call with these weights: any number where every weight is a
     panel format the AMX tiles multiply (faster than torch's GEMM at every size measured, so decode steps,
-    verification forwards and prefill chunks all take them, and a row's bits never depend on its batch),
-    else max_rows()."""
-    return math.inf if _all_amx_panels(blocks_args) else max_rows()
+    verification forwards and prefill chunks all take them, and a row's bits never depend on its batch);
+    where every weight is a panel format multiplied by AVX-512 FMAs, as many as this machine measured
+    them faster than torch's GEMM (`panel_row_limit`); else max_rows()."""
+    if _all_amx_panels(blocks_args):
+        return math.inf
+    if _all_panels(blocks_args):
+        return panel_row_limit()
+    return max_rows()
+
+
+def panel_row_limit() -> float:
+    """Up to how many rows AVX-512 panel calls take the kernel here (`engine.core.panel_rows`: measured
+    once per machine, at least max_rows())."""
+    if "panel_rows" not in _state:
+        _state["panel_rows"] = panel_rows.row_limit(_kernel(), FORMATS["q4_1_panels"], max_rows())
+    return _state["panel_rows"]
+
+
+def _all_panels(blocks_args: dict) -> bool:
+    """Whether every weight of a call with these blocks arguments is read from panels."""
+    formats = blocks_args.get("formats", [])
+    return bool(formats) and all(f in _PANEL_IDS for f in formats)
 
 
 def _all_amx_panels(blocks_args: dict) -> bool:
     """Whether every weight of a call with these blocks arguments (`_blocks_args`) is a panel format the
     AMX tiles multiply here (a weight without blocks read here has format 0)."""
-    formats = blocks_args.get("formats", [])
-    return bool(formats) and all(f in _PANEL_IDS for f in formats) and _kernel().amx_in_use()
+    return _all_panels(blocks_args) and _kernel().amx_in_use()
 
 
 def _blocks_args(packed: list[PackedWeight | None]) -> dict:
