@@ -71,6 +71,17 @@ def hf_greedy(reference, prompt: list[int], max_new: int, eos: int | None = 2) -
     return out[0, len(prompt):].tolist()
 
 
+def assert_panel_call(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, linear) -> None:
+    """got = linear(x) computed by GGUF panels: each row's bits the same as alone, not torch's GEMM's,
+    and within float32 rounding of the float64 product (4 K eps times the terms' magnitudes)."""
+    alone = torch.cat([linear(x[r:r + 1]) for r in range(x.shape[0])])
+    assert torch.equal(got, alone) and not torch.equal(got, torch.nn.functional.linear(x, weight))
+    want = x.double() @ weight.double().T
+    K = x.shape[1]
+    bound = 4 * K * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T) + 1e-6
+    assert ((got.double() - want).abs() <= bound).all()
+
+
 def random_cache(*, layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int, seed: int = 0):
     """A float32 CPU KVCache whose every K/V entry is a standard normal draw (seeded)."""
     from engine.core.kv_cache import KVCache

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_tiny
+from conftest import assert_panel_call, make_tiny
 from engine.core import linear as engine_linear
 from engine.core.kernels import load as load_kernels
 from engine.models.gguf_blocks import (BLOCK_BYTES, BLOCKS_OF_PANELS, PANEL_FORMATS, PackedWeight,
@@ -156,11 +156,7 @@ def test_amx_panels_take_every_row_count_that_torch_took(panel_kernel, monkeypat
     for rows in (engine_linear.max_rows() + 1, 300):  # a verification forward; a prefill chunk (3 passes)
         x = torch.randn(rows, 64, generator=g)
         got = engine_linear.linear(x, weight, None, packed)
-        alone = torch.cat([engine_linear.linear(x[r:r + 1], weight, None, packed) for r in range(rows)])
-        assert torch.equal(got, alone) and not torch.equal(got, F.linear(x, weight))
-        want = x.double() @ weight.double().T
-        bound = 4 * 64 * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T) + 1e-6
-        assert ((got.double() - want).abs() <= bound).all()
+        assert_panel_call(got, x, weight, lambda rows_x: engine_linear.linear(rows_x, weight, None, packed))
         previous = panel_kernel.use_amx(False)
         monkeypatch.setitem(engine_linear._state, "panel_rows", engine_linear.max_rows())
         try:

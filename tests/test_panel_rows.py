@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import assert_panel_call
 from engine.core import linear as engine_linear
 from engine.core import panel_rows
 from engine.core.kernels import load as load_kernels
@@ -92,11 +93,7 @@ def test_panel_calls_take_the_kernel_up_to_the_limit_and_torch_beyond(fma_panels
     x = torch.randn(rows, 64, generator=g)
     monkeypatch.setitem(engine_linear._state, "panel_rows", rows)
     got = engine_linear.linear(x, weight, None, packed)
-    alone = torch.cat([engine_linear.linear(x[r:r + 1], weight, None, packed) for r in range(rows)])
-    assert torch.equal(got, alone) and not torch.equal(got, F.linear(x, weight))
-    want = x.double() @ weight.double().T
-    bound = 4 * 64 * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T) + 1e-6
-    assert ((got.double() - want).abs() <= bound).all()
+    assert_panel_call(got, x, weight, lambda rows_x: engine_linear.linear(rows_x, weight, None, packed))
     monkeypatch.setitem(engine_linear._state, "panel_rows", rows - 1)  # one row past the limit: torch
     assert torch.equal(engine_linear.linear(x, weight, None, packed), F.linear(x, weight))
     float32_only = engine_linear.linear(x, weight, None, None)  # no panels: the few-row limit still holds
