@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from conftest import assert_panel_call
 from engine.core import linear as engine_linear
 from engine.core import panel_rows
 from engine.core.kernels import load as load_kernels
+from engine.errors import JobError
 from engine.models.gguf_blocks import PackedWeight, dequantise, to_panels
 
 
@@ -64,6 +66,10 @@ def test_the_environment_sets_the_limit_without_measuring(tmp_path, monkeypatch)
     for setting, want in (("all", math.inf), ("96", 96), ("8", 40)):  # never below the floor
         monkeypatch.setenv(panel_rows.ENV, setting)
         assert panel_rows.row_limit(FakeKernel(), 3, floor=40) == want
+    for bad in ("many", "-5", "1.5"):  # one line naming the variable, not a traceback
+        monkeypatch.setenv(panel_rows.ENV, bad)
+        with pytest.raises(JobError, match=f"{panel_rows.ENV}='{re.escape(bad)}': expected a row count or 'all'"):
+            panel_rows.row_limit(FakeKernel(), 3, floor=40)
 
 
 @pytest.fixture

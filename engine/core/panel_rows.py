@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache_dir import cache_root
+from engine.errors import JobError
 from engine.models.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, dequantise, to_panels
 
 ENV = "MAGICDEC_PANEL_ROWS"  # a row count, or "all": the limit, unmeasured
@@ -55,11 +56,15 @@ def limit_from_timings(timings: list[tuple[int, float, float]], floor: int) -> f
 
 def row_limit(kernel, panel_format: int, floor: int) -> float:
     """The panels' row limit on this machine: `MAGICDEC_PANEL_ROWS`, else the kept measurement, else
-    measured now (well under a second) and kept. kernel: the compiled module; panel_format: its id of
+    measured now (a second or two) and kept. kernel: the compiled module; panel_format: its id of
     Q4_1 panels; floor: the few-row limit, which the panels always take."""
     setting = os.environ.get(ENV, "").strip().lower()
     if setting:
-        return math.inf if setting == "all" else max(int(setting), floor)
+        if setting == "all":
+            return math.inf
+        if not setting.isdigit():
+            raise JobError(f"{ENV}={setting!r}: expected a row count or 'all'")
+        return max(int(setting), floor)
     path = _kept_at(kernel)
     try:
         kept = json.loads(path.read_text())
@@ -68,8 +73,8 @@ def row_limit(kernel, panel_format: int, floor: int) -> float:
         pass
     timings = measure(kernel, panel_format)
     limit = limit_from_timings(timings, floor)
-    log.info("GGUF panels against torch's GEMM, measured once on this machine: the panels up to %s rows",
-             "any number of" if limit == math.inf else int(limit))
+    log.info("GGUF panels against torch's GEMM, measured once on this machine: panels for %s",
+             "any number of rows" if limit == math.inf else f"up to {int(limit)} rows")
     try:  # whole or not at all: written aside, then renamed over (another process may be reading it)
         path.parent.mkdir(parents=True, exist_ok=True)
         aside = path.with_name(f"{path.name}.{os.getpid()}.tmp")
