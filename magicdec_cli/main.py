@@ -23,6 +23,7 @@ import typer
 import typer.core
 
 from engine.config.schema import DEFAULT_MODEL
+from engine.core import panel_rows
 from engine.errors import JobError, OutputError
 from engine.job.timeline import process_started
 from magicdec_cli import IMPORTED_AT
@@ -128,6 +129,7 @@ def run(
     # SIGTERM (a scheduler, or the launcher stopping the other ranks) stops a job like Ctrl-C does: the
     # writer is closed on the way out, so rows it still buffers (Parquet parts) are kept for --resume.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    panel_rows.setting_from_env()  # a bad MAGICDEC_PANEL_ROWS stops the job before it opens its output
     try:
         if launching.needs_launch(tp, dp):  # start tp x dp worker processes running this same command
             command = [sys.executable, "-m", "magicdec_cli.main", *sys.argv[1:]]

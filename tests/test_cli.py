@@ -71,6 +71,17 @@ def test_bad_recipe_value_and_missing_recipe(tmp_path):
     one_line_error(result, "nope.yaml")
 
 
+def test_a_bad_panel_rows_setting_is_refused_before_the_output_opens(tmp_path, monkeypatch):
+    data = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "kept"}\n')  # an earlier job's output: --overwrite must not reach it
+    monkeypatch.setenv("MAGICDEC_PANEL_ROWS", "lots")
+    result = invoke("run", "generic", "--input", data, "--output", out, "--overwrite")
+    assert result.exit_code == 2
+    one_line_error(result, "MAGICDEC_PANEL_ROWS", "lots")
+    assert out.read_text() == '{"id": "kept"}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+
+
 @pytest.mark.parametrize("name,content", [("missing.jsonl", None), ("rows.csv", "a,b\n"), ("empty.jsonl", "\n"),
                                           ("bad.jsonl.gz", "not gzip")])
 def test_unreadable_or_empty_input(tmp_path, name, content):

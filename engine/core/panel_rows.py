@@ -25,12 +25,8 @@ import os
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 from engine.cache_dir import cache_root
 from engine.errors import JobError
-from engine.models.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, dequantise, to_panels
 
 ENV = "MAGICDEC_PANEL_ROWS"  # a row count, or "all": the limit, unmeasured
 LADDER = (48, 64, 96, 128, 192, 256, 384, 512)  # row counts timed, in order
@@ -54,17 +50,26 @@ def limit_from_timings(timings: list[tuple[int, float, float]], floor: int) -> f
     return math.inf
 
 
+def setting_from_env() -> float | None:
+    """`MAGICDEC_PANEL_ROWS` read: None when unset, `math.inf` for "all", else its row count; anything
+    else is a JobError naming it (the CLI asks before a job opens its output; no torch needed here)."""
+    setting = os.environ.get(ENV, "").strip().lower()
+    if not setting:
+        return None
+    if setting == "all":
+        return math.inf
+    if not setting.isdigit():
+        raise JobError(f"{ENV}={setting!r}: expected a row count or 'all'")
+    return int(setting)
+
+
 def row_limit(kernel, panel_format: int, floor: int) -> float:
     """The panels' row limit on this machine: `MAGICDEC_PANEL_ROWS`, else the kept measurement, else
     measured now (a second or two) and kept. kernel: the compiled module; panel_format: its id of
     Q4_1 panels; floor: the few-row limit, which the panels always take."""
-    setting = os.environ.get(ENV, "").strip().lower()
-    if setting:
-        if setting == "all":
-            return math.inf
-        if not setting.isdigit():
-            raise JobError(f"{ENV}={setting!r}: expected a row count or 'all'")
-        return max(int(setting), floor)
+    setting = setting_from_env()
+    if setting is not None:
+        return max(setting, floor)
     path = _kept_at(kernel)
     try:
         kept = json.loads(path.read_text())
@@ -89,6 +94,11 @@ def row_limit(kernel, panel_format: int, floor: int) -> float:
 def measure(kernel, panel_format: int) -> list[tuple[int, float, float]]:
     """(rows, panels seconds, torch seconds) at each count of LADDER, over SHAPES: the least of REPEATS
     alternating timings of each (the least is the one other work on the machine disturbed least)."""
+    import torch  # here, not at import: the CLI reads `setting_from_env` before it loads torch
+    import torch.nn.functional as F
+
+    from engine.models.gguf_blocks import dequantise, to_panels
+
     operands = []
     for N, K in SHAPES:
         blocks = synthetic_q4_1(N, K)
@@ -112,6 +122,10 @@ def measure(kernel, panel_format: int) -> list[tuple[int, float, float]]:
 
 def synthetic_q4_1(N: int, K: int) -> torch.Tensor:
     """Q4_1 blocks uint8 [N, K / 32, 20] of random nibbles with scales of ordinary size (d 0.01, m -0.08)."""
+    import torch
+
+    from engine.models.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
+
     g = torch.Generator().manual_seed(N * K)
     blocks = torch.randint(0, 256, (N, K // BLOCK_WEIGHTS, BLOCK_BYTES["q4_1"]), dtype=torch.uint8, generator=g)
     scales = torch.tensor([0.01, -0.08], dtype=torch.float16).view(torch.uint8)  # d, m as fp16 bytes
@@ -122,6 +136,8 @@ def synthetic_q4_1(N: int, K: int) -> torch.Tensor:
 def _kept_at(kernel) -> Path:
     """Where the measurement is kept: beside the kernel's build (keyed by its sources, the CPU's flags
     and torch), per CPU model and thread count."""
+    import torch
+
     cpu = "".join(c if c.isalnum() else "_" for c in _cpu_model())[:64]
     name = getattr(kernel, "__name__", "kernel")
     return cache_root() / "torch_extensions" / name / f"panel_rows_{cpu}_{torch.get_num_threads()}t.json"
