@@ -36,14 +36,25 @@ _state: dict[str, object] = {}
 log = logging.getLogger(__name__)
 
 
-def cpu_flags() -> str:
+def _cpuinfo_line(field: str) -> str | None:
+    """The first line of /proc/cpuinfo starting with `field`, or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(field):
                 return line
     except OSError:
         pass
-    return platform.processor()
+    return None
+
+
+def cpu_flags() -> str:
+    return _cpuinfo_line("flags") or platform.processor()
+
+
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC", ...), else the platform's word for it."""
+    line = _cpuinfo_line("model name")
+    return line.split(":", 1)[1].strip() if line else platform.processor() or "cpu"
 
 
 def compiler_available() -> bool:

@@ -147,11 +147,9 @@ def _row_limit(blocks_args: dict) -> float:
     verification forwards and prefill chunks all take them, and a row's bits never depend on its batch);
     where every weight is a panel format multiplied by AVX-512 FMAs, as many as this machine measured
     them faster than torch's GEMM (`panel_row_limit`); else max_rows()."""
-    if _all_amx_panels(blocks_args):
-        return math.inf
-    if _all_panels(blocks_args):
-        return panel_row_limit()
-    return max_rows()
+    if not _all_panels(blocks_args):
+        return max_rows()
+    return math.inf if _kernel().amx_in_use() else panel_row_limit()
 
 
 def panel_row_limit() -> float:

@@ -24,9 +24,14 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.cache_dir import cache_root
+from engine.core.kernels import cpu_model
 from engine.errors import JobError
+
+if TYPE_CHECKING:
+    import torch
 
 ENV = "MAGICDEC_PANEL_ROWS"  # a row count, or "all": the limit, unmeasured
 LADDER = (48, 64, 96, 128, 192, 256, 384, 512)  # row counts timed, in order
@@ -138,16 +143,6 @@ def _kept_at(kernel) -> Path:
     and torch), per CPU model and thread count."""
     import torch
 
-    cpu = "".join(c if c.isalnum() else "_" for c in _cpu_model())[:64]
+    cpu = "".join(c if c.isalnum() else "_" for c in cpu_model())[:64]
     name = getattr(kernel, "__name__", "kernel")
     return cache_root() / "torch_extensions" / name / f"panel_rows_{cpu}_{torch.get_num_threads()}t.json"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
