@@ -8,6 +8,11 @@ its rounds where it did; the arguments are bench_variants.py's. Example:
     PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/policy_trace.py --methods guided --gamma auto \\
         --prompts sample_data/needle.jsonl --context 3456 --new-tokens 48 --budget 512 --out /tmp/trace.json
 
+With `run` first, the arguments are `magicdec run`'s instead, and a whole job is traced:
+
+    PYTHONPATH=. .venv/bin/python benchmarks/policy_trace.py run recipes/docqa.yaml \
+        --input sample_data/docqa_shared.jsonl --output /tmp/out.jsonl --overwrite --quiet > trace.log
+
 Not a test; it changes nothing the policy does.
 """
 
@@ -37,6 +42,10 @@ def next_gamma(self) -> int:
 
 if __name__ == "__main__":
     GammaPolicy.observe, GammaPolicy.next_gamma = observe, next_gamma
-    script = Path(__file__).with_name("bench_variants.py")
-    sys.argv = [str(script)] + sys.argv[1:]
-    runpy.run_path(str(script), run_name="__main__")
+    if sys.argv[1:2] == ["run"]:  # a whole job: `magicdec run ...`'s own arguments
+        sys.argv = ["magicdec"] + sys.argv[1:]
+        runpy.run_module("magicdec_cli.main", run_name="__main__")
+    else:
+        script = Path(__file__).with_name("bench_variants.py")
+        sys.argv = [str(script)] + sys.argv[1:]
+        runpy.run_path(str(script), run_name="__main__")

@@ -111,7 +111,9 @@ def linear_path(device: torch.device, dtype: torch.dtype, model: torch.nn.Module
                 else:
                     limit = panel_row_limit()
                     rows = "any number of rows" if limit == math.inf else f"up to {int(limit)} rows"
-                    path += f" (panels for {rows}: faster than torch's GEMM there, measured on this machine)"
+                    why = ("set by MAGICDEC_PANEL_ROWS" if panel_rows.setting_from_env() is not None
+                           else "faster than torch's GEMM there, measured on this machine")
+                    path += f" (panels for {rows}: {why})"
         return path
     return "torch"
 
