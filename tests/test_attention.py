@@ -99,6 +99,22 @@ def _kernel():
     return kernel
 
 
+def test_the_report_names_bfloat16_dot_products_where_a_bfloat16_prefill_takes_them():
+    """`hardware.attention.prefill` says "bfloat16 dot products" exactly where the kernel would take a
+    bfloat16 model's prefill onto them (never for a float32 cache), and not once they are switched off."""
+    kernel = _kernel()
+    cpu = torch.device("cpu")
+    try:
+        for allowed in (True, False):
+            kernel.prefill_use_bf16_dot(allowed)
+            named = "bfloat16 dot products" in attention.attention_paths(cpu, torch.bfloat16, 64)["prefill"]
+            assert named == kernel.prefill_bf16_dot_in_use(64)
+            assert "bfloat16 dot products" not in attention.attention_paths(cpu, torch.float32, 64)["prefill"]
+        assert not kernel.prefill_bf16_dot_in_use(64)  # switched off
+    finally:
+        kernel.prefill_use_bf16_dot(True)
+
+
 @pytest.fixture(params=["vector", "portable"])
 def kernel(request):
     """The fused kernel with its AVX-512 task allowed, or forced onto the portable task."""

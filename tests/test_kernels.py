@@ -404,6 +404,59 @@ def test_prefill_rows_do_not_depend_on_the_split(kernels, prefill_path, dtype, D
     assert torch.equal(again, one[:299])
 
 
+@pytest.fixture
+def bf16_dot(kernels):
+    """The bfloat16 dot-product prefill task allowed (the default), restored after the test."""
+    kernels.prefill_use_bf16_dot(True)
+    yield kernels
+    kernels.prefill_use_bf16_dot(True)
+
+
+@pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (6, 2, 16), (8, 1, 32), (6, 2, 48), (4, 4, 128),
+                                              (4, 2, 80), (4, 2, 40)])
+def test_prefill_bfloat16_query(bf16_dot, heads, kv_heads, D):
+    """A bfloat16 query over a bfloat16 cache (a bfloat16 model's prefill). Where the bfloat16 dot-product
+    task takes it, only the probabilities are rounded (to bfloat16), so each output is within 2^-8 of the
+    largest |V| entry of the float64 reference, and it is not the widened query's float32 result (the
+    task ran); elsewhere (no AVX512-BF16, AMX tiles, head sizes not multiples of 16) the query is widened
+    exactly and the result is the float32 query's, bit for bit."""
+    kernels = bf16_dot
+    k, v = make_cache(4, kv_heads, 1300, D, torch.bfloat16)
+    seg_slot, seg_start, seg_offset, seg_len, N = segments([1, 7, 64, 65, 200], [0, 63, 64, 1000, 1000],
+                                                           [0, 1, 2, 3, 1])
+    q = torch.randn(N, heads, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    out = kernels.prefill_attention(q, k, v, seg_slot, seg_start, seg_offset, seg_len, D ** -0.5)
+    widened = kernels.prefill_attention(q.float(), k, v, seg_slot, seg_start, seg_offset, seg_len, D ** -0.5)
+    if not kernels.prefill_bf16_dot_in_use(D):
+        assert torch.equal(out, widened)
+        return
+    ref = reference_prefill(q.float(), k, v, seg_slot, seg_start, seg_offset, seg_len, D ** -0.5)
+    bound = 2 ** -8 * v.float().abs().max().item() + ATOL
+    assert (out.double() - ref).abs().max().item() <= bound
+    assert not torch.equal(out, widened)
+    kernels.prefill_use_bf16_dot(False)  # the switch: the widened query's path again
+    assert torch.equal(kernels.prefill_attention(q, k, v, seg_slot, seg_start, seg_offset, seg_len, D ** -0.5),
+                       widened)
+
+
+@pytest.mark.parametrize("D", [32, 64, 80])
+def test_prefill_bfloat16_rows_do_not_depend_on_the_split(bf16_dot, D):
+    """test_prefill_rows_do_not_depend_on_the_split for a bfloat16 query over a bfloat16 cache (the
+    dot-product task where it runs): the same bits whichever forward, segment or tile a row comes in."""
+    kernels = bf16_dot
+    H, KVH = 9, 3
+    k, v = make_cache(3, KVH, 600, D, torch.bfloat16)
+    q = torch.randn(300, H, D, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    one = kernels.prefill_attention(q, k, v, *segments([300], [200], [2])[:4], D ** -0.5)
+    other = torch.randn(17, H, D, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    packed = torch.cat([q[176:299], other, q[0:1], q[1:46], q[46:176]])
+    seg_slot, seg_start, seg_offset, seg_len, _ = segments([123, 17, 1, 45, 130], [376, 50, 200, 201, 246],
+                                                           [2, 0, 2, 2, 2])
+    out = kernels.prefill_attention(packed, k, v, seg_slot, seg_start, seg_offset, seg_len, D ** -0.5)
+    again = torch.cat([out[140:141], out[141:186], out[186:316], out[0:123]])
+    assert torch.equal(again, one[:299])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [16, 32, 64, 80, 96, 128])
 def test_prefill_w16_emulation(kernels, dtype, D):

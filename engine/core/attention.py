@@ -154,9 +154,10 @@ def attend_full(query: torch.Tensor, layer: int, batch: ForwardBatch, scale: flo
     return attend_cached_torch(query, k_layer, v_layer, batch, scale, mass=mass)
 
 
-def attention_paths(device: torch.device, cache_dtype: torch.dtype) -> dict[str, str]:
+def attention_paths(device: torch.device, cache_dtype: torch.dtype, head_dim: int | None = None) -> dict[str, str]:
     """Which backend serves decode/verify, draft views and prefill chunks here (for the job report), so
-    that nothing falls back to a slow path unseen."""
+    that nothing falls back to a slow path unseen. head_dim: the model's (says whether a bfloat16 model's
+    prefill takes the kernel's bfloat16 dot products)."""
     if device.type == "cuda":
         decode = "flash-attn" if flash_attn_with_kvcache is not None else "torch SDPA (no flash-attn installed)"
         return {"decode": decode, "draft_view": "torch gather", "prefill": "torch SDPA per segment"}
@@ -166,7 +167,11 @@ def attention_paths(device: torch.device, cache_dtype: torch.dtype) -> dict[str,
         return {"decode": f"torch ({why})", "draft_view": f"torch gather ({why})", "prefill": f"torch ({why})"}
     isa = kernel.vector_isa()
     prefill = f"fused CPU prefill kernel ({isa}"
-    prefill += ", AMX tiles for head sizes that are multiples of 32)" if kernel.prefill_amx_in_use() else ")"
+    if kernel.prefill_amx_in_use():
+        prefill += ", AMX tiles for head sizes that are multiples of 32"
+    elif cache_dtype == torch.bfloat16 and head_dim is not None and kernel.prefill_bf16_dot_in_use(head_dim):
+        prefill += ", bfloat16 dot products (avx512_bf16)"
+    prefill += ")"
     return {"decode": f"fused CPU kernel ({isa})", "draft_view": f"fused CPU kernel ({isa})", "prefill": prefill}
 
 

@@ -31,6 +31,7 @@ SOURCES = [Path(__file__).with_name("csrc") / name
 # included by the sources, copied beside them
 HEADERS = [Path(__file__).with_name("csrc") / name for name in ("vector_math.h", "amx_tiles.h")]
 AMX_ENV = "MAGICDEC_AMX"  # "0": no AMX tiles (GEMM panels by AVX-512 FMAs, prefill attention by the vector task)
+BF16_DOT_ENV = "MAGICDEC_BF16_DOT"  # "0": a bfloat16 model's prefill attention widens to float32 FMAs
 REQUIRE_ENV = "MAGICDEC_REQUIRE_KERNEL"  # "1": a failed build raises instead of falling back to torch
 _state: dict[str, object] = {}
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ def load():
                         str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
     if module is not None and os.environ.get(AMX_ENV, "1") == "0":
         module.use_amx(False)
+    if module is not None and os.environ.get(BF16_DOT_ENV, "1") == "0":
+        module.prefill_use_bf16_dot(False)
     _state["module"] = module
     return module
 

@@ -13,8 +13,10 @@ KV head, summed over the GQA group and the tokens), so the draft's prefill-time 
 second pass over the prompt. With the fused kernel on AMX tiles, `prefill_attention_mass` attends every
 token and returns the tails' mass from the same pass (each tail a task of its own); elsewhere a
 segment's window tokens (its tail) are attended by the decode kernel's `attend_cached_scores`, which
-returns that mass, and its other tokens by `prefill_attention`; the torch path sums its own softmax;
-SDPA gives no mass (the draft computes it).
+returns that mass, and its other tokens by `prefill_attention` (where a bfloat16 model's prefill runs on
+the kernel's bfloat16 dot products, every token by `prefill_attention` and the tails' mass alone from the
+decode kernel, so that a row's prefill rounds the same whatever draft listens); the torch path sums its
+own softmax; SDPA gives no mass (the draft computes it).
 
 Backends (held against the masked reference in the tests): the fused CPU kernel's `prefill_attention`
 (a tiled online softmax that never builds the [heads, tokens, context] score matrix), torch's SDPA per
@@ -110,14 +112,22 @@ def attend_prefill(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: 
         if segment.observer is not None:
             segment.observer.observe(layer, query[0, :, offset:offset + segment.length], segment.start)
     if kernel is not None:
-        q = query[0].transpose(0, 1).float().contiguous()  # [N, heads, D], token-major
-        if batch.tail_groups and kernel.prefill_mass_on_amx(q.shape[-1]):
+        D = query.shape[-1]
+        if batch.tail_groups and kernel.prefill_mass_on_amx(D):
+            q = query[0].transpose(0, 1).float().contiguous()  # [N, heads, D], token-major
             return _attend_with_tail_mass(kernel, q, k_layer, v_layer, batch, layer, scale)[None].to(query.dtype)
-        head_len = batch.seg_head_len if batch.tail_groups else batch.seg_len
+        # A bfloat16 model's query stays bfloat16 where the kernel multiplies it on bfloat16 dot products.
+        bf16_dot = query.dtype == k_layer.dtype == torch.bfloat16 and kernel.prefill_bf16_dot_in_use(D)
+        q = query[0].transpose(0, 1)  # [N, heads, D], token-major
+        q = (q if bf16_dot else q.float()).contiguous()
+        # On bfloat16 dot products the tails take the prefill task too (rounded as the rest of the prompt,
+        # so a row's prefill is the same whatever draft listens), and the decode kernel gives only their mass.
+        head_len = batch.seg_head_len if batch.tail_groups and not bf16_dot else batch.seg_len
         out = kernel.prefill_attention(q, k_layer, v_layer, batch.seg_slot, batch.seg_start, batch.seg_offset,
                                        head_len, scale)  # [N, heads, D] float32 (tails: zeros, filled below)
         for tail, members in batch.tail_groups.items():
-            _attend_tails(kernel, query, k_layer, v_layer, batch, layer, scale, tail, members, out)
+            _attend_tails(kernel, query, k_layer, v_layer, batch, layer, scale, tail, members,
+                          None if bf16_dot else out)
         return out[None].to(query.dtype)
     if query.is_cuda:  # torch's fused SDPA: one pass over K/V, no [group * T, end] scores in memory
         return attend_segments_sdpa(query, k_layer, v_layer, batch, scale)
@@ -137,10 +147,11 @@ def _attend_with_tail_mass(kernel, q: torch.Tensor, k_layer: torch.Tensor, v_lay
 
 
 def _attend_tails(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
-                  layer: int, scale: float, tail: int, members: list[int], out: torch.Tensor) -> None:
+                  layer: int, scale: float, tail: int, members: list[int], out: torch.Tensor | None) -> None:
     """The last `tail` tokens of each listed segment, attended with their mass by the decode kernel's
     `attend_cached_scores` (token t of the tail sees positions up to end - tail + t, the causal rule) and
-    written into out [N, heads, D] (float32); each segment's observer gets its mass."""
+    written into out [N, heads, D] (float32; None: the outputs are computed elsewhere); each segment's
+    observer gets its mass."""
     H, D = query.shape[1], query.shape[3]
     kv_heads = k_layer.shape[1]
     segments = [batch.segments[i] for i in members]
@@ -154,7 +165,8 @@ def _attend_tails(kernel, query: torch.Tensor, k_layer: torch.Tensor, v_layer: t
                                           max(ends))  # o: [B, kv_heads, group * tail, D]; mass: [B, kv_heads, max end]
     o = o.view(len(members), H, tail, D).transpose(1, 2)  # [B, tail, heads, D]
     for b, (segment, first, end) in enumerate(zip(segments, firsts, ends)):
-        out[first:first + tail] = o[b]
+        if out is not None:
+            out[first:first + tail] = o[b]
         segment.observer.add_mass(layer, mass[b, :, :end], tail)
 
 

@@ -131,7 +131,7 @@ def run_job(options: JobOptions, progress: ProgressSink | None = None, *, parall
     if decoder.draft_forward is not None:
         report.draft_gemms = decoder.draft_forward.gemm_dtype
     report.dtype = str(target.dtype).removeprefix("torch.")
-    report.attention = attention_paths(target.device, engine.target.cache.k.dtype)
+    report.attention = attention_paths(target.device, engine.target.cache.k.dtype, engine.target.cache.head_dim)
     report.linear = linear_path(target.device, target.dtype, target.model)
     report.decode_forward = engine.target.decode_path()
     report.host_malloc = host_memory.current()

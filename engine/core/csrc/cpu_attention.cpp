@@ -1129,6 +1129,8 @@ bool prefill_use_vector_path(bool enabled);
 bool pq_use_vector_path(bool enabled);  // cpu_pqcache.cpp
 bool prefill_amx_in_use();
 bool prefill_mass_on_amx(int64_t D);
+bool prefill_use_bf16_dot(bool enabled);
+bool prefill_bf16_dot_in_use(int64_t D);
 
 // Whether tasks (here, in cpu_prefill.cpp and cpu_pqcache.cpp) may take a vector implementation; returns whether one
 // is compiled in (AVX2 + FMA or AVX-512).
@@ -1212,12 +1214,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_entries", &attend_entries, "fused attention over a compact store's entries (CPU, fp32/bf16 K/V)");
   m.def("prefill_attention", &prefill_attention, py::arg("query"), py::arg("k_layer"), py::arg("v_layer"),
         py::arg("seg_slot"), py::arg("seg_start"), py::arg("seg_offset"), py::arg("seg_len"), py::arg("scale"),
-        "causal chunked-prefill attention of packed segments over the cache (CPU, fp32/bf16 K/V)");
+        "causal chunked-prefill attention of packed segments over the cache (CPU, fp32/bf16 K/V; a bf16 "
+        "query over bf16 K/V on bfloat16 dot products where prefill_bf16_dot_in_use)");
   m.def("prefill_attention_mass", &prefill_attention_mass, py::arg("query"), py::arg("k_layer"),
         py::arg("v_layer"), py::arg("seg_slot"), py::arg("seg_start"), py::arg("seg_offset"), py::arg("seg_len"),
         py::arg("seg_tail"), py::arg("mass_len"), py::arg("scale"),
         "prefill_attention plus the attention mass of each segment's last seg_tail tokens (AMX tiles only)");
   m.def("prefill_mass_on_amx", &prefill_mass_on_amx, "whether prefill_attention_mass takes this head size here");
+  m.def("prefill_use_bf16_dot", &prefill_use_bf16_dot,
+        "allow (true) or forbid (false) bfloat16 dot products for a bf16 query's prefill; says if compiled in");
+  m.def("prefill_bf16_dot_in_use", &prefill_bf16_dot_in_use,
+        "whether prefill_attention takes a bf16 query of this head size over bf16 K/V on bfloat16 dot products");
   m.def("residual_rms_norm", &residual_rms_norm, "x += delta (if given), then RMSNorm(x) * weight (CPU, fp32)");
   m.def("rope_write", &rope_write, "RoPE on fused q|k|v, keys and values into the cache; returns the queries");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate|up projection (CPU, fp32)");

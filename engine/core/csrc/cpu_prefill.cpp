@@ -22,7 +22,11 @@
 // 128 tokens); AVX-512 (multiples of 16) and AVX2 + FMA (multiples of 8) share one templated task over
 // a small vector policy (V16 / V8); a portable task covers every head size up to kMaxHeadDim on any
 // CPU. `prefill_use_vector_path(false)` (called by use_vector_path in cpu_attention.cpp) forces the
-// portable one, `use_amx(false)` (cpu_linear.cpp: the one AMX switch) the vector one.
+// portable one, `use_amx(false)` (cpu_linear.cpp: the one AMX switch) the vector one. A bfloat16 query
+// over a bfloat16 cache (a bfloat16 model's prefill) takes, where the CPU has AVX512-BF16 and no AMX
+// tiles, a task on bfloat16 dot products (prefill_task_bf16_dot: twice the multiply-adds per
+// instruction, the probabilities rounded to bfloat16 as the model's own attention rounds them;
+// `prefill_use_bf16_dot(false)` turns it off); elsewhere such a query is widened to float32.
 // prefill_attention_mass (AMX tasks only) also returns the attention mass of each segment's last
 // tokens (SnapKV's observation window), summed over them and each group's heads, from the same pass:
 // such a tail is a task of its own per KV head, which keeps its blocks' probabilities and rescales them
@@ -58,6 +62,7 @@ constexpr int64_t kKeyAlign = 32;             // key blocks are a multiple of th
 constexpr int64_t kMinKeyBlock = 32, kMaxKeyBlock = 128;  // 2048..8192 floats per block and 48..192
                                               // tile rows measured within noise of these at D = 64, 128
 bool g_vector_path = true;
+bool g_bf16_dot = true;  // a bfloat16 query over a bfloat16 cache may take the dot-product task
 
 // Keys per block for head size D: kKeyBlockFloats / D, a multiple of kKeyAlign in [32, 128].
 inline int64_t key_block(int64_t D) {
@@ -67,6 +72,7 @@ inline int64_t key_block(int64_t D) {
 
 struct Problem {
   const float* query;  // [N, H, D]
+  const uint16_t* query_bf16 = nullptr;  // [N, H, D] bfloat16 bits: the bfloat16 dot-product task's query
   const void* k;       // [slots, KVH, capacity, D], float or bf16 bits
   const void* v;
   float* out;          // [N, H, D]
@@ -403,6 +409,212 @@ void prefill_task_vector(const Problem& pb, const Task& task) {
 }
 #endif  // any vector policy
 
+#if defined(MAGICDEC_AVX512) && defined(__AVX512BF16__)
+#define MAGICDEC_PREFILL_BF16_DOT 1
+// The task for a bfloat16 query over a bfloat16 cache, on the CPU's bfloat16 dot products (AVX512-BF16:
+// one instruction multiplies 16 pairs of bfloat16 and adds both products to 16 float32 sums, twice the
+// multiply-adds of a float32 FMA). The tiles, causal cuts, key blocks and online softmax are the
+// vector task's, with 12-row register tiles (AVX-512 has 32 registers). The operands go in pairs: K
+// as its rows' 32-bit words (elements 2i, 2i+1) transposed, the query rows as words broadcast, so that
+// S = Q K^T has exact products summed in float32 and is scaled afterwards (the query stays the model's
+// bfloat16 values); then the probabilities are rounded to bfloat16 in pairs of keys, V is packed as
+// pairs of key rows interleaved, and O += P V sums exact products of those in float32. So the only
+// rounding beyond float32 sums is that of the probabilities to bfloat16, what a bfloat16 model's own
+// attention does (transformers' eager path casts its float32 softmax to the query's dtype): each is
+// off by at most 2^-8 of itself, so a row's output is off the float32 result by at most 2^-8 of the
+// largest |V| entry it sees (the tests' bound; 1.6x the widened task's speed at 512 tokens over 2.5K
+// cached on a Zen 4, BENCHMARKS.md section 41). A row's bits do not depend on the other rows of its tile or task (its sums run over the same key
+// blocks, and keys it does not see add exact zeros), so chunking, packing and reuse change none.
+constexpr int kRowsBf16 = 12;  // 12 x 2 accumulators + 2 loads + 1 broadcast = 27 of 32 registers
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+inline uint32_t word_at(const uint16_t* p) {  // elements p[0], p[1] as one 32-bit word (p[0] low)
+  uint32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+// vw[cp * D + d] = the word (v_rows[2cp][d], v_rows[2cp + 1][d]) for cp < n_pad / 2 (rows >= n: 0).
+inline void pack_value_pairs(const uint16_t* v_rows, int64_t D, int64_t n, int64_t n_pad, uint32_t* vw) {
+  __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+  alignas(64) uint16_t idx[32];
+  for (int j = 0; j < 16; ++j) {
+    idx[2 * j] = static_cast<uint16_t>(j);            // element j of the first row
+    idx[2 * j + 1] = static_cast<uint16_t>(32 + j);   // element j of the second
+  }
+  const __m512i pick = _mm512_load_si512(idx);
+  for (int64_t c = 0; c < n_pad; c += 2) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      low = c < n ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows + c * D + d0)))
+                  : _mm512_setzero_si512();
+      high = c + 1 < n ? _mm512_castsi256_si512(
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows + (c + 1) * D + d0)))
+                       : _mm512_setzero_si512();
+      _mm512_storeu_si512(vw + (c / 2) * D + d0, _mm512_permutex2var_epi16(low, pick, high));
+    }
+  }
+}
+
+// s[m * bk + 0 .. 32) = q[m] . kt[:, 0 .. 32) for M rows: q rows of Dw words, ktw [Dw, bk] words.
+template <int M>
+inline void qk_tile_bf16(const uint32_t* __restrict q, int64_t Dw, const uint32_t* __restrict ktw, int64_t bk,
+                         float* __restrict s) {
+  __m512 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t w = 0; w < Dw; ++w) {
+    const __m512bh b0 = as_bh(_mm512_loadu_si512(ktw + w * bk)), b1 = as_bh(_mm512_loadu_si512(ktw + w * bk + 16));
+    for (int m = 0; m < M; ++m) {
+      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(q[m * Dw + w])));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    _mm512_storeu_ps(s + m * bk, acc[m][0]);
+    _mm512_storeu_ps(s + m * bk + 16, acc[m][1]);
+  }
+}
+
+// o[m][0 .. 16 NV) = o[m][...] * corr[m] + sum over key pairs cp < pairs of the words p[m * bkw + cp]
+// (two probabilities) dotted with vw[cp * D + ...] (two V rows' elements), for M rows.
+template <int M, int NV>
+inline void pv_tile_bf16(float* __restrict o, int64_t D, const uint32_t* __restrict p, int64_t bkw,
+                         const float* __restrict corr, const uint32_t* __restrict vw, int64_t pairs) {
+  __m512 acc[M][NV];
+  for (int m = 0; m < M; ++m) {
+    const __m512 c = _mm512_set1_ps(corr[m]);
+    for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_mul_ps(c, _mm512_loadu_ps(o + m * D + j * 16));
+  }
+#pragma GCC unroll 4
+  for (int64_t cp = 0; cp < pairs; ++cp) {
+    __m512bh b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = as_bh(_mm512_loadu_si512(vw + cp * D + j * 16));
+    for (int m = 0; m < M; ++m) {
+      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(p[m * bkw + cp])));
+      for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a, b[j]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + m * D + j * 16, acc[m][j]);
+}
+
+// One register tile of M rows against one key block (row_tile's steps on bfloat16 pairs); qscale
+// multiplies the raw scores (log2 units, as the vector task's pre-scaled queries give them).
+template <int M>
+void row_tile_bf16(const uint32_t* q, float* o, float* row_max, float* row_sum, const int64_t* vis, int64_t ncols,
+                   int64_t D, const uint32_t* ktw, int64_t bk, const uint32_t* vw, float* s, uint32_t* pw,
+                   float qscale) {
+  using V = V16;
+  const int64_t ncols_pad = (ncols + 31) / 32 * 32;
+  for (int64_t c0 = 0; c0 < ncols_pad; c0 += 32) qk_tile_bf16<M>(q, D / 2, ktw + c0, bk, s + c0);
+  const __m512 scale = _mm512_set1_ps(qscale);
+  float corr[M];
+  for (int m = 0; m < M; ++m) {
+    float* sr = s + m * bk;
+    uint32_t* pr = pw + m * (bk / 2);
+    if (vis[m] <= 0) {  // sees nothing here: no change, zero probabilities
+      for (int64_t c = 0; c < ncols_pad; c += 32) _mm512_storeu_si512(pr + c / 2, _mm512_setzero_si512());
+      corr[m] = 1.0f;
+      continue;
+    }
+    __m512 mx = V::set1(kNoMax);
+    for (int64_t c = 0; c < ncols_pad; c += V::W) {
+      const __m512 x = _mm512_mul_ps(V::load(sr + c), scale);
+      V::store(sr + c, x);
+      mx = V::max(mx, V::select(V::first(vis[m] - c), x, V::set1(kNoMax)));
+    }
+    const float mnew = std::max(row_max[m], V::hmax(mx));
+    const __m512 mv = V::set1(mnew);
+    __m512 sum = V::zero();
+    for (int64_t c = 0; c < ncols_pad; c += 32) {
+      const __m512 p0 = V::keep(V::first(vis[m] - c), V::exp2_nonpos(V::sub(V::load(sr + c), mv)));
+      const __m512 p1 = V::keep(V::first(vis[m] - c - 16), V::exp2_nonpos(V::sub(V::load(sr + c + 16), mv)));
+      sum = V::add(sum, V::add(p0, p1));
+      const __m512bh words = _mm512_cvtne2ps_pbh(p1, p0);  // keys c .. c + 31 as 16 pairs, c first
+      _mm512_storeu_si512(pr + c / 2, reinterpret_cast<const __m512i&>(words));
+    }
+    corr[m] = std::exp2(row_max[m] - mnew);
+    row_sum[m] = row_sum[m] * corr[m] + V::hsum(sum);
+    row_max[m] = mnew;
+  }
+  const int64_t pairs = (ncols + 1) / 2;
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) pv_tile_bf16<M, 2>(o + d0, D, pw, bk / 2, corr, vw + d0, pairs);
+  if (d0 < D) pv_tile_bf16<M, 1>(o + d0, D, pw, bk / 2, corr, vw + d0, pairs);  // D % 32 == 16
+}
+
+void prefill_task_bf16_dot(const Problem& pb, const Task& task) {
+  const int64_t D = pb.D, Dw = D / 2, group = pb.group, bk = key_block(D);
+  const int64_t R = task.tokens * group;                   // rows r = t * group + j
+  const int64_t start = pb.seg_start[task.seg] + task.t0;  // position of the tile's first token
+  const int64_t keys = start + task.tokens;                // the last token sees positions < keys
+  const int64_t base = (pb.seg_slot[task.seg] * pb.KVH + task.kv_head) * pb.capacity * D;
+  const uint16_t* k = static_cast<const uint16_t*>(pb.k) + base;
+  const uint16_t* v = static_cast<const uint16_t*>(pb.v) + base;
+  // Word buffers (32-bit words of bfloat16 pairs) in the scratch's bfloat16 arrays, read and written
+  // by vector loads and stores (and memcpy) only.
+  uint32_t* q = reinterpret_cast<uint32_t*>(t_scratch.get_words(0, R * D));
+  uint32_t* ktw = reinterpret_cast<uint32_t*>(t_scratch.get_words(1, D * bk));
+  uint32_t* vw = reinterpret_cast<uint32_t*>(t_scratch.get_words(2, bk * D));
+  uint32_t* pw = reinterpret_cast<uint32_t*>(t_scratch.get_words(3, kRowsBf16 * bk));
+  float* o = t_scratch.get(1, R * D);
+  float* stats = t_scratch.get(2, 2 * R);  // row max, then row sum
+  float* s = t_scratch.get(4, kRowsBf16 * bk);
+  float* row_max = stats;
+  float* row_sum = stats + R;
+  for (int64_t t = 0; t < task.tokens; ++t) {  // a token's group heads are contiguous in the query
+    const uint16_t* src = pb.query_bf16 + ((pb.seg_offset[task.seg] + task.t0 + t) * pb.H + task.kv_head * group) * D;
+    std::memcpy(q + t * group * Dw, src, group * D * sizeof(uint16_t));
+  }
+  std::fill(o, o + R * D, 0.0f);
+  std::fill(row_max, row_max + R, kNoMax);
+  std::fill(row_sum, row_sum + R, 0.0f);
+  for (int64_t kb = 0; kb < keys; kb += bk) {
+    const int64_t n = std::min(bk, keys - kb);
+    const int64_t n_pad = (n + 31) / 32 * 32;
+    // K's rows as Dw words each, transposed ([Dw, bk] words): the float32 packer moves 32-bit lanes.
+    pack_keys(reinterpret_cast<const float*>(k + kb * D), Dw, n, n_pad, reinterpret_cast<float*>(ktw), bk);
+    pack_value_pairs(v + kb * D, D, n, n_pad, vw);
+    for (int64_t r0 = 0; r0 < R; r0 += kRowsBf16) {
+      const int M = static_cast<int>(std::min<int64_t>(kRowsBf16, R - r0));
+      int64_t vis[kRowsBf16];
+      for (int m = 0; m < M; ++m) vis[m] = std::min(n, start + (r0 + m) / group + 1 - kb);
+      const int64_t ncols = vis[M - 1];  // rows are token-major: the last row sees the most
+      if (ncols <= 0) continue;          // the whole register tile is above the diagonal
+      float* orow = o + r0 * D;
+      const uint32_t* qrow = q + r0 * Dw;
+      float* mr = row_max + r0;
+      float* sr = row_sum + r0;
+      const float qs = pb.scale * kLog2e;
+      switch (M) {
+        case 12: row_tile_bf16<12>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
+        case 11: row_tile_bf16<11>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
+        case 10: row_tile_bf16<10>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
+        case 9: row_tile_bf16<9>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
+        case 8: row_tile_bf16<8>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
+        case 7: row_tile_bf16<7>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
+        case 6: row_tile_bf16<6>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
+        case 5: row_tile_bf16<5>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
+        case 4: row_tile_bf16<4>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
+        case 3: row_tile_bf16<3>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
+        case 2: row_tile_bf16<2>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
+        default: row_tile_bf16<1>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
+      }
+    }
+  }
+  for (int64_t t = 0; t < task.tokens; ++t) {
+    float* dst = pb.out + ((pb.seg_offset[task.seg] + task.t0 + t) * pb.H + task.kv_head * group) * D;
+    for (int64_t j = 0; j < group; ++j) {
+      const int64_t r = t * group + j;
+      const float inv = 1.0f / row_sum[r];  // >= 1: every row sees position 0 and its own maximum
+      for (int64_t d = 0; d < D; ++d) dst[j * D + d] = o[r * D + d] * inv;
+    }
+  }
+}
+#endif  // MAGICDEC_PREFILL_BF16_DOT
+
 #if defined(MAGICDEC_AMX_TILES) && !defined(MAGICDEC_PREFILL_TEST_POLICY)  // (the test build checks the vector task)
 #define MAGICDEC_PREFILL_AMX 1
 // The task by the AMX tile unit (float32 or bfloat16 K/V, head sizes that are multiples of 32): the
@@ -724,6 +936,11 @@ void prefill_task_amx(const Problem& pb, const Task& task) {
 
 template <typename E>
 void run_task(const Problem& pb, const Task& task) {
+#ifdef MAGICDEC_PREFILL_BF16_DOT
+  if constexpr (std::is_same<E, uint16_t>::value) {
+    if (pb.query_bf16 != nullptr) return prefill_task_bf16_dot(pb, task);
+  }
+#endif
   if (g_vector_path) {
 #ifdef MAGICDEC_PREFILL_TEST_POLICY  // tests only: prefill_w16_emulation.cpp runs the task with a
     // 16-lane policy emulated on AVX2, to exercise the AVX-512 path's tiling on machines without it
@@ -758,18 +975,51 @@ void run_all(const Problem& pb, const std::vector<Task>& tasks) {
 
 }  // namespace
 
+// Whether a bfloat16 query over a bfloat16 cache, head size D, takes the dot-product task here: the build
+// and CPU have AVX512-BF16, the vector tasks and this one are allowed, D is a multiple of 16, and no AMX
+// tile unit takes prefill tasks (there the AMX task keeps them: not measured against this one).
+bool prefill_bf16_dot_in_use(int64_t D) {
+#ifdef MAGICDEC_PREFILL_BF16_DOT
+  bool amx = false;
+#ifdef MAGICDEC_PREFILL_AMX
+  amx = magicdec_amx::amx_usable();
+#endif
+  return g_bf16_dot && g_vector_path && !amx && D % 16 == 0;
+#else
+  (void)D;
+  return false;
+#endif
+}
+
+// Allow (true) or forbid (false) the bfloat16 dot-product task; returns whether it is compiled in.
+bool prefill_use_bf16_dot(bool enabled) {
+  g_bf16_dot = enabled;
+#ifdef MAGICDEC_PREFILL_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 namespace {
 
 // prefill_attention, and with seg_tail / mass (prefill_attention_mass) the tails' attention mass.
 torch::Tensor run_prefill(torch::Tensor query, torch::Tensor k_layer, torch::Tensor v_layer, torch::Tensor seg_slot,
                           torch::Tensor seg_start, torch::Tensor seg_offset, torch::Tensor seg_len, double scale,
                           const int64_t* seg_tail, torch::Tensor* mass) {
-  TORCH_CHECK(query.dtype() == torch::kFloat32 && query.is_contiguous() && query.dim() == 3,
-              "query: [N, H, D] float32 contiguous");
+  TORCH_CHECK((query.dtype() == torch::kFloat32 || query.dtype() == torch::kBFloat16) && query.is_contiguous() &&
+              query.dim() == 3, "query: [N, H, D] float32 or bfloat16 contiguous");
   TORCH_CHECK(k_layer.dtype() == v_layer.dtype() && k_layer.is_contiguous() && v_layer.is_contiguous() &&
               k_layer.dim() == 4 && k_layer.sizes() == v_layer.sizes(),
               "K, V: [slots, KVH, capacity, D] contiguous, one dtype");
   const bool bf16 = k_layer.dtype() == torch::kBFloat16;
+  // A bfloat16 query takes the dot-product task where it runs (see prefill_bf16_dot_in_use), else it is
+  // widened to float32 (exactly) for the other tasks.
+  const bool bf16_dot = query.dtype() == torch::kBFloat16 && bf16 && seg_tail == nullptr &&
+                        prefill_bf16_dot_in_use(query.size(2));
+  torch::Tensor query_bf16;
+  if (bf16_dot) query_bf16 = query;
+  if (query.dtype() == torch::kBFloat16) query = query.to(torch::kFloat32);
   TORCH_CHECK(bf16 || k_layer.dtype() == torch::kFloat32, "float32 or bfloat16 K/V");
   for (const auto* t : {&seg_slot, &seg_start, &seg_offset, &seg_len})
     TORCH_CHECK(t->dtype() == torch::kInt64 && t->is_contiguous() && t->dim() == 1 &&
@@ -805,6 +1055,7 @@ torch::Tensor run_prefill(torch::Tensor query, torch::Tensor k_layer, torch::Ten
 
   Problem pb;
   pb.query = query.data_ptr<float>();
+  if (bf16_dot) pb.query_bf16 = reinterpret_cast<const uint16_t*>(query_bf16.data_ptr());
   pb.k = k_layer.data_ptr();
   pb.v = v_layer.data_ptr();
   pb.out = out.data_ptr<float>();
@@ -853,7 +1104,8 @@ torch::Tensor run_prefill(torch::Tensor query, torch::Tensor k_layer, torch::Ten
 
 }  // namespace
 
-// query: [N, H, D] float32 contiguous (token-major: transformers' [1, N, H, D]); k_layer, v_layer:
+// query: [N, H, D] float32 (or bfloat16: see prefill_bf16_dot_in_use) contiguous (token-major:
+// transformers' [1, N, H, D]); k_layer, v_layer:
 // [slots, KVH, capacity, D] float32 or bfloat16 contiguous, the segments' new K/V already written;
 // seg_slot, seg_start, seg_offset, seg_len: [S] int64. Segments must not overlap in the token axis;
 // tokens no segment covers come out as zeros. scale multiplies q.k (e.g. D^-0.5).
