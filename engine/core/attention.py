@@ -170,7 +170,7 @@ def attention_paths(device: torch.device, cache_dtype: torch.dtype, head_dim: in
     if kernel.prefill_amx_in_use():
         prefill += ", AMX tiles for head sizes that are multiples of 32"
     elif cache_dtype == torch.bfloat16 and head_dim is not None and kernel.prefill_bf16_dot_in_use(head_dim):
-        prefill += ", bfloat16 dot products (avx512_bf16)"
+        prefill += "; bfloat16 dot products"
     prefill += ")"
     return {"decode": f"fused CPU kernel ({isa})", "draft_view": f"fused CPU kernel ({isa})", "prefill": prefill}
 

@@ -342,16 +342,63 @@ void row_tile(const float* q, float* o, float* row_max, float* row_sum, const in
   if (d0 < D) pv_tile<V, M, 1>(o + d0, D, s, bk, corr, v + d0, ncols);  // D % (2W) == W
 }
 
+// A task's rows (r = t * group + j: token t, head j of the group), its first token's position, the
+// keys its last token sees (positions < keys), and where its slot's K/V rows of its KV head start.
+struct TaskSpan {
+  int64_t rows, start, keys, base;
+  TaskSpan(const Problem& pb, const Task& task)
+      : rows(task.tokens * pb.group),
+        start(pb.seg_start[task.seg] + task.t0),
+        keys(start + task.tokens),
+        base((pb.seg_slot[task.seg] * pb.KVH + task.kv_head) * pb.capacity * pb.D) {}
+};
+
+// Calls f(std::integral_constant<int, M>{}) for a register tile of M rows, 1 <= M <= Max.
+template <int Max, class F>
+inline void with_rows(int M, F&& f) {
+  if constexpr (Max > 1) {
+    if (M < Max) return with_rows<Max - 1>(M, f);
+  }
+  f(std::integral_constant<int, Max>{});
+}
+
+// For each register tile of up to Max of a task's R rows that sees any key of the block at kb (n keys):
+// f(rows, r0, vis, ncols), rows a std::integral_constant<int, M> (the tile's rows r0 .. r0 + M - 1),
+// vis[m] how many of the block's keys row r0 + m sees (its token's position start + (r0 + m) / group
+// and every one before it; <= 0: none), ncols the most of them (the last row's: rows are token-major).
+template <int Max, class F>
+inline void for_each_tile(int64_t R, int64_t n, int64_t start, int64_t group, int64_t kb, F&& f) {
+  for (int64_t r0 = 0; r0 < R; r0 += Max) {
+    const int M = static_cast<int>(std::min<int64_t>(Max, R - r0));
+    int64_t vis[Max];
+    for (int m = 0; m < M; ++m) vis[m] = std::min(n, start + (r0 + m) / group + 1 - kb);
+    const int64_t ncols = vis[M - 1];
+    if (ncols <= 0) continue;  // the whole register tile is above the diagonal
+    with_rows<Max>(M, [&](auto rows) { f(rows, r0, static_cast<const int64_t*>(vis), ncols); });
+  }
+}
+
+// The task's rows divided by their softmax sums, into the output (a token's group heads contiguous).
+inline void write_rows(const Problem& pb, const Task& task, const float* o, const float* row_sum) {
+  const int64_t D = pb.D, group = pb.group;
+  for (int64_t t = 0; t < task.tokens; ++t) {
+    float* dst = pb.out + ((pb.seg_offset[task.seg] + task.t0 + t) * pb.H + task.kv_head * group) * D;
+    for (int64_t j = 0; j < group; ++j) {
+      const int64_t r = t * group + j;
+      const float inv = 1.0f / row_sum[r];  // >= 1: every row sees position 0 and its own maximum
+      for (int64_t d = 0; d < D; ++d) dst[j * D + d] = o[r * D + d] * inv;
+    }
+  }
+}
+
 template <class V, typename E>
 void prefill_task_vector(const Problem& pb, const Task& task) {
   constexpr bool kWiden = !std::is_same<E, float>::value;
   const int64_t D = pb.D, group = pb.group, bk = key_block(D);
-  const int64_t R = task.tokens * group;                   // rows r = t * group + j
-  const int64_t start = pb.seg_start[task.seg] + task.t0;  // position of the tile's first token
-  const int64_t keys = start + task.tokens;                // the last token sees positions < keys
-  const int64_t base = (pb.seg_slot[task.seg] * pb.KVH + task.kv_head) * pb.capacity * D;
-  const E* k = static_cast<const E*>(pb.k) + base;
-  const E* v = static_cast<const E*>(pb.v) + base;
+  const TaskSpan span(pb, task);
+  const int64_t R = span.rows, start = span.start, keys = span.keys;
+  const E* k = static_cast<const E*>(pb.k) + span.base;
+  const E* v = static_cast<const E*>(pb.v) + span.base;
   float* q = t_scratch.get(0, R * D);
   float* o = t_scratch.get(1, R * D);
   float* stats = t_scratch.get(2, 2 * R);  // row max, then row sum
@@ -380,32 +427,12 @@ void prefill_task_vector(const Problem& pb, const Task& task) {
     } else {
       vb = v + kb * D;
     }
-    for (int64_t r0 = 0; r0 < R; r0 += kRows) {
-      const int M = static_cast<int>(std::min<int64_t>(kRows, R - r0));
-      int64_t vis[kRows];
-      for (int m = 0; m < M; ++m) vis[m] = std::min(n, start + (r0 + m) / group + 1 - kb);
-      const int64_t ncols = vis[M - 1];  // rows are token-major: the last row sees the most
-      if (ncols <= 0) continue;          // the whole register tile is above the diagonal
-      float* orow = o + r0 * D;
-      const float* qrow = q + r0 * D;
-      switch (M) {
-        case 6: row_tile<V, 6>(qrow, orow, row_max + r0, row_sum + r0, vis, ncols, D, kt, bk, vb, s); break;
-        case 5: row_tile<V, 5>(qrow, orow, row_max + r0, row_sum + r0, vis, ncols, D, kt, bk, vb, s); break;
-        case 4: row_tile<V, 4>(qrow, orow, row_max + r0, row_sum + r0, vis, ncols, D, kt, bk, vb, s); break;
-        case 3: row_tile<V, 3>(qrow, orow, row_max + r0, row_sum + r0, vis, ncols, D, kt, bk, vb, s); break;
-        case 2: row_tile<V, 2>(qrow, orow, row_max + r0, row_sum + r0, vis, ncols, D, kt, bk, vb, s); break;
-        default: row_tile<V, 1>(qrow, orow, row_max + r0, row_sum + r0, vis, ncols, D, kt, bk, vb, s); break;
-      }
-    }
+    for_each_tile<kRows>(R, n, start, group, kb, [&](auto rows, int64_t r0, const int64_t* vis, int64_t ncols) {
+      row_tile<V, decltype(rows)::value>(q + r0 * D, o + r0 * D, row_max + r0, row_sum + r0, vis, ncols, D, kt, bk,
+                                         vb, s);
+    });
   }
-  for (int64_t t = 0; t < task.tokens; ++t) {
-    float* dst = pb.out + ((pb.seg_offset[task.seg] + task.t0 + t) * pb.H + task.kv_head * group) * D;
-    for (int64_t j = 0; j < group; ++j) {
-      const int64_t r = t * group + j;
-      const float inv = 1.0f / row_sum[r];  // >= 1: every row sees position 0 and its own maximum
-      for (int64_t d = 0; d < D; ++d) dst[j * D + d] = o[r * D + d] * inv;
-    }
-  }
+  write_rows(pb, task, o, row_sum);
 }
 #endif  // any vector policy
 
@@ -422,8 +449,8 @@ void prefill_task_vector(const Problem& pb, const Task& task) {
 // rounding beyond float32 sums is that of the probabilities to bfloat16, what a bfloat16 model's own
 // attention does (transformers' eager path casts its float32 softmax to the query's dtype): each is
 // off by at most 2^-8 of itself, so a row's output is off the float32 result by at most 2^-8 of the
-// largest |V| entry it sees (the tests' bound; 1.6x the widened task's speed at 512 tokens over 2.5K
-// cached on a Zen 4, BENCHMARKS.md section 41). A row's bits do not depend on the other rows of its tile or task (its sums run over the same key
+// largest |V| entry it sees (the tests' bound; 1.6-1.7x the widened task's speed at 512 tokens over
+// 2-3K cached on a Zen 4, BENCHMARKS.md section 41). A row's bits do not depend on the other rows of its tile or task (its sums run over the same key
 // blocks, and keys it does not see add exact zeros), so chunking, packing and reuse change none.
 constexpr int kRowsBf16 = 12;  // 12 x 2 accumulators + 2 loads + 1 broadcast = 27 of 32 registers
 
@@ -547,12 +574,10 @@ void row_tile_bf16(const uint32_t* q, float* o, float* row_max, float* row_sum, 
 
 void prefill_task_bf16_dot(const Problem& pb, const Task& task) {
   const int64_t D = pb.D, Dw = D / 2, group = pb.group, bk = key_block(D);
-  const int64_t R = task.tokens * group;                   // rows r = t * group + j
-  const int64_t start = pb.seg_start[task.seg] + task.t0;  // position of the tile's first token
-  const int64_t keys = start + task.tokens;                // the last token sees positions < keys
-  const int64_t base = (pb.seg_slot[task.seg] * pb.KVH + task.kv_head) * pb.capacity * D;
-  const uint16_t* k = static_cast<const uint16_t*>(pb.k) + base;
-  const uint16_t* v = static_cast<const uint16_t*>(pb.v) + base;
+  const TaskSpan span(pb, task);
+  const int64_t R = span.rows, start = span.start, keys = span.keys;
+  const uint16_t* k = static_cast<const uint16_t*>(pb.k) + span.base;
+  const uint16_t* v = static_cast<const uint16_t*>(pb.v) + span.base;
   // Word buffers (32-bit words of bfloat16 pairs) in the scratch's bfloat16 arrays, read and written
   // by vector loads and stores (and memcpy) only.
   uint32_t* q = reinterpret_cast<uint32_t*>(t_scratch.get_words(0, R * D));
@@ -577,41 +602,12 @@ void prefill_task_bf16_dot(const Problem& pb, const Task& task) {
     // K's rows as Dw words each, transposed ([Dw, bk] words): the float32 packer moves 32-bit lanes.
     pack_keys(reinterpret_cast<const float*>(k + kb * D), Dw, n, n_pad, reinterpret_cast<float*>(ktw), bk);
     pack_value_pairs(v + kb * D, D, n, n_pad, vw);
-    for (int64_t r0 = 0; r0 < R; r0 += kRowsBf16) {
-      const int M = static_cast<int>(std::min<int64_t>(kRowsBf16, R - r0));
-      int64_t vis[kRowsBf16];
-      for (int m = 0; m < M; ++m) vis[m] = std::min(n, start + (r0 + m) / group + 1 - kb);
-      const int64_t ncols = vis[M - 1];  // rows are token-major: the last row sees the most
-      if (ncols <= 0) continue;          // the whole register tile is above the diagonal
-      float* orow = o + r0 * D;
-      const uint32_t* qrow = q + r0 * Dw;
-      float* mr = row_max + r0;
-      float* sr = row_sum + r0;
-      const float qs = pb.scale * kLog2e;
-      switch (M) {
-        case 12: row_tile_bf16<12>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
-        case 11: row_tile_bf16<11>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
-        case 10: row_tile_bf16<10>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
-        case 9: row_tile_bf16<9>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
-        case 8: row_tile_bf16<8>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
-        case 7: row_tile_bf16<7>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
-        case 6: row_tile_bf16<6>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
-        case 5: row_tile_bf16<5>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
-        case 4: row_tile_bf16<4>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
-        case 3: row_tile_bf16<3>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
-        case 2: row_tile_bf16<2>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
-        default: row_tile_bf16<1>(qrow, orow, mr, sr, vis, ncols, D, ktw, bk, vw, s, pw, qs); break;
-      }
-    }
+    for_each_tile<kRowsBf16>(R, n, start, group, kb, [&](auto rows, int64_t r0, const int64_t* vis, int64_t ncols) {
+      row_tile_bf16<decltype(rows)::value>(q + r0 * Dw, o + r0 * D, row_max + r0, row_sum + r0, vis, ncols, D, ktw,
+                                           bk, vw, s, pw, pb.scale * kLog2e);
+    });
   }
-  for (int64_t t = 0; t < task.tokens; ++t) {
-    float* dst = pb.out + ((pb.seg_offset[task.seg] + task.t0 + t) * pb.H + task.kv_head * group) * D;
-    for (int64_t j = 0; j < group; ++j) {
-      const int64_t r = t * group + j;
-      const float inv = 1.0f / row_sum[r];  // >= 1: every row sees position 0 and its own maximum
-      for (int64_t d = 0; d < D; ++d) dst[j * D + d] = o[r * D + d] * inv;
-    }
-  }
+  write_rows(pb, task, o, row_sum);
 }
 #endif  // MAGICDEC_PREFILL_BF16_DOT
 
