@@ -450,21 +450,21 @@ void prefill_task_vector(const Problem& pb, const Task& task) {
 // attention does (transformers' eager path casts its float32 softmax to the query's dtype): each is
 // off by at most 2^-8 of itself, so a row's output is off the float32 result by at most 2^-8 of the
 // largest |V| entry it sees (the tests' bound; 1.6-1.7x the widened task's speed at 512 tokens over
-// 2-3K cached on a Zen 4, BENCHMARKS.md section 41). A row's bits do not depend on the other rows of its tile or task (its sums run over the same key
-// blocks, and keys it does not see add exact zeros), so chunking, packing and reuse change none.
+// 2-3K cached on a Zen 4, BENCHMARKS.md section 41). A row's bits do not depend on the other rows of
+// its tile or task (its sums run over the same key blocks, and keys it does not see add exact zeros),
+// so chunking, packing and reuse change none.
 constexpr int kRowsBf16 = 12;  // 12 x 2 accumulators + 2 loads + 1 broadcast = 27 of 32 registers
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
-inline uint32_t word_at(const uint16_t* p) {  // elements p[0], p[1] as one 32-bit word (p[0] low)
-  uint32_t w;
+inline __m512bh broadcast_word(const uint32_t* p) {  // *p (two bfloat16) in all 16 lanes; read by memcpy,
+  int32_t w;                                           // as the scratch holds it as bfloat16 elements
   std::memcpy(&w, p, sizeof(w));
-  return w;
+  return as_bh(_mm512_set1_epi32(w));
 }
 
 // vw[cp * D + d] = the word (v_rows[2cp][d], v_rows[2cp + 1][d]) for cp < n_pad / 2 (rows >= n: 0).
 inline void pack_value_pairs(const uint16_t* v_rows, int64_t D, int64_t n, int64_t n_pad, uint32_t* vw) {
-  __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
   alignas(64) uint16_t idx[32];
   for (int j = 0; j < 16; ++j) {
     idx[2 * j] = static_cast<uint16_t>(j);            // element j of the first row
@@ -473,11 +473,13 @@ inline void pack_value_pairs(const uint16_t* v_rows, int64_t D, int64_t n, int64
   const __m512i pick = _mm512_load_si512(idx);
   for (int64_t c = 0; c < n_pad; c += 2) {
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
-      low = c < n ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows + c * D + d0)))
-                  : _mm512_setzero_si512();
-      high = c + 1 < n ? _mm512_castsi256_si512(
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows + (c + 1) * D + d0)))
-                       : _mm512_setzero_si512();
+      const __m512i low =
+          c < n ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows + c * D + d0)))
+                : _mm512_setzero_si512();
+      const __m512i high =
+          c + 1 < n
+              ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows + (c + 1) * D + d0)))
+              : _mm512_setzero_si512();
       _mm512_storeu_si512(vw + (c / 2) * D + d0, _mm512_permutex2var_epi16(low, pick, high));
     }
   }
@@ -493,7 +495,7 @@ inline void qk_tile_bf16(const uint32_t* __restrict q, int64_t Dw, const uint32_
   for (int64_t w = 0; w < Dw; ++w) {
     const __m512bh b0 = as_bh(_mm512_loadu_si512(ktw + w * bk)), b1 = as_bh(_mm512_loadu_si512(ktw + w * bk + 16));
     for (int m = 0; m < M; ++m) {
-      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(q[m * Dw + w])));
+      const __m512bh a = broadcast_word(q + m * Dw + w);
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
     }
@@ -519,7 +521,7 @@ inline void pv_tile_bf16(float* __restrict o, int64_t D, const uint32_t* __restr
     __m512bh b[NV];
     for (int j = 0; j < NV; ++j) b[j] = as_bh(_mm512_loadu_si512(vw + cp * D + j * 16));
     for (int m = 0; m < M; ++m) {
-      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(p[m * bkw + cp])));
+      const __m512bh a = broadcast_word(p + m * bkw + cp);
       for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a, b[j]);
     }
   }
