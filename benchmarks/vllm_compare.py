@@ -117,7 +117,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Measured {meta['date']} on {meta['machine']} ({meta['cpus']} CPUs), input `{meta['input']}`, "
              f"recipe `{meta['recipe']}`, {meta['max_new_tokens']} new tokens, batch {meta['batch']}, "
              f"magicdec {meta['commit'][:7]}, {meta['vllm']}.", "",
-             "| job | dtype | wall s (load excl.) | process s | prefill s | decode s | output tokens | "
+             "| job | dtype | wall s (load excl.) | process s | prefill s | decode s | "
+             "output tokens (ours: after each row's first) | "
              "answers equal to our plain job's |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['label']} | {r['dtype']} | {r['wall_s']:.1f} | {r['process_s']:.1f} | {r.get('prefill_s', '-')} "
