@@ -427,6 +427,7 @@ def test_prefill_bfloat16_query(bf16_dot, heads, kv_heads, D):
     q = torch.randn(N, heads, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     out = kernels.prefill_attention(q, k, v, seg_slot, seg_start, seg_offset, seg_len, D ** -0.5)
     widened = kernels.prefill_attention(q.float(), k, v, seg_slot, seg_start, seg_offset, seg_len, D ** -0.5)
+    assert out.dtype == torch.float32  # whatever the query's dtype
     if not kernels.prefill_bf16_dot_in_use(D):
         assert torch.equal(out, widened)
         return

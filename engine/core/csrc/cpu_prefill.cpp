@@ -71,7 +71,7 @@ inline int64_t key_block(int64_t D) {
 }
 
 struct Problem {
-  const float* query;  // [N, H, D]
+  const float* query = nullptr;  // [N, H, D] (every task but the bfloat16 dot-product one)
   const uint16_t* query_bf16 = nullptr;  // [N, H, D] bfloat16 bits: the bfloat16 dot-product task's query
   const void* k;       // [slots, KVH, capacity, D], float or bf16 bits
   const void* v;
@@ -1011,13 +1011,11 @@ torch::Tensor run_prefill(torch::Tensor query, torch::Tensor k_layer, torch::Ten
               k_layer.dim() == 4 && k_layer.sizes() == v_layer.sizes(),
               "K, V: [slots, KVH, capacity, D] contiguous, one dtype");
   const bool bf16 = k_layer.dtype() == torch::kBFloat16;
-  // A bfloat16 query takes the dot-product task where it runs (see prefill_bf16_dot_in_use), else it is
-  // widened to float32 (exactly) for the other tasks.
+  // A bfloat16 query takes the dot-product task where it runs (see prefill_bf16_dot_in_use), which reads
+  // it as it is; elsewhere it is widened to float32 (exactly) for the other tasks.
   const bool bf16_dot = query.dtype() == torch::kBFloat16 && bf16 && seg_tail == nullptr &&
                         prefill_bf16_dot_in_use(query.size(2));
-  torch::Tensor query_bf16;
-  if (bf16_dot) query_bf16 = query;
-  if (query.dtype() == torch::kBFloat16) query = query.to(torch::kFloat32);
+  if (query.dtype() == torch::kBFloat16 && !bf16_dot) query = query.to(torch::kFloat32);
   TORCH_CHECK(bf16 || k_layer.dtype() == torch::kFloat32, "float32 or bfloat16 K/V");
   for (const auto* t : {&seg_slot, &seg_start, &seg_offset, &seg_len})
     TORCH_CHECK(t->dtype() == torch::kInt64 && t->is_contiguous() && t->dim() == 1 &&
@@ -1042,7 +1040,7 @@ torch::Tensor run_prefill(torch::Tensor query, torch::Tensor k_layer, torch::Ten
     }
   }
   // Tokens no segment covers are zeroed here; the tasks write every other one (no separate fill).
-  auto out = torch::empty_like(query);
+  auto out = torch::empty(query.sizes(), query.options().dtype(torch::kFloat32));
   {
     std::vector<char> covered(N, 0);
     for (int64_t s = 0; s < S; ++s) std::fill(covered.begin() + offset[s], covered.begin() + offset[s] + len[s], 1);
@@ -1052,8 +1050,8 @@ torch::Tensor run_prefill(torch::Tensor query, torch::Tensor k_layer, torch::Ten
   }
 
   Problem pb;
-  pb.query = query.data_ptr<float>();
-  if (bf16_dot) pb.query_bf16 = reinterpret_cast<const uint16_t*>(query_bf16.data_ptr());
+  if (bf16_dot) pb.query_bf16 = reinterpret_cast<const uint16_t*>(query.data_ptr());
+  else pb.query = query.data_ptr<float>();
   pb.k = k_layer.data_ptr();
   pb.v = v_layer.data_ptr();
   pb.out = out.data_ptr<float>();
@@ -1126,7 +1124,7 @@ std::vector<torch::Tensor> prefill_attention_mass(torch::Tensor query, torch::Te
                                                   torch::Tensor seg_tail, int64_t mass_len, double scale) {
   TORCH_CHECK(seg_tail.dtype() == torch::kInt64 && seg_tail.is_contiguous() && seg_tail.dim() == 1 &&
               seg_tail.numel() == seg_slot.numel(), "seg_tail: [S] int64 contiguous");
-  auto mass = torch::zeros({seg_slot.numel(), k_layer.size(1), mass_len}, query.options());
+  auto mass = torch::zeros({seg_slot.numel(), k_layer.size(1), mass_len}, query.options().dtype(torch::kFloat32));
   auto out = run_prefill(query, k_layer, v_layer, seg_slot, seg_start, seg_offset, seg_len, scale,
                          seg_tail.data_ptr<int64_t>(), &mass);
   return {out, mass};
