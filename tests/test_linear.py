@@ -80,3 +80,128 @@ def test_engine_linears_are_plain_outside_the_engines_forwards(kernel):
     torch.testing.assert_close(fast, before, atol=1e-4, rtol=1e-4)
     if engine_linear.kernel_in_use():
         assert not torch.equal(fast, before)  # ...and the kernel really ran inside
+
+
+# ---------------------------------------------------------------- bfloat16 linears on bfloat16 dot products
+
+
+@pytest.fixture(scope="module")
+def bf16_kernel(kernel):
+    if not kernel.bf16_linear_available():
+        pytest.skip("bf16_linear_cat needs a CPU with AVX512-BF16 (this one has none)")
+    return kernel
+
+
+def bf16_operands(M, K, N, seed=0):
+    x, w, b = operands(M, K, N, seed)
+    return x.bfloat16(), w.bfloat16(), b
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 40, 130])
+@pytest.mark.parametrize("K,N", [(64, 48), (1536, 32), (6, 16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_linear_is_the_float64_product_rounded_once(bf16_kernel, M, K, N, with_bias):
+    """Row tiles of 1..16 rows and their tails, one and several panels, a bias: each output is the float64
+    product of the bfloat16 operands (+ the float32 bias) within one bfloat16 rounding and float32 sums."""
+    x, w, b = bf16_operands(M, K, N)
+    out = bf16_kernel.bf16_linear_cat(x, [bf16_kernel.bf16_panels(w)], [b if with_bias else None])
+    assert out.dtype == torch.bfloat16 and out.shape == (M, N)
+    want = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    sums = x.double().abs() @ w.double().abs().T + (b.double().abs() if with_bias else 0)
+    assert ((out.double() - want).abs() <= 2.0 ** -8 * want.abs() + 1e-6 * K * sums).all()
+    # not the widened float32 product rounded by another route: equal to it where that rounds the same
+    widened = (x.float() @ w.float().T + (b if with_bias else 0)).bfloat16()
+    assert (out == widened).float().mean() > 0.9
+
+
+def test_bf16_linear_rows_do_not_depend_on_their_batch_and_parts_sit_side_by_side(bf16_kernel):
+    """A row's bits alone, in any batch and at any place in it; several weights give each one's own output."""
+    x, w, b = bf16_operands(40, 96, 64, seed=1)
+    w2 = torch.randn(32, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    panels = [bf16_kernel.bf16_panels(w), bf16_kernel.bf16_panels(w2)]
+    together = bf16_kernel.bf16_linear_cat(x, panels, [b, None])
+    assert torch.equal(together[:, :64], bf16_kernel.bf16_linear_cat(x, panels[:1], [b]))
+    assert torch.equal(together[:, 64:], bf16_kernel.bf16_linear_cat(x, panels[1:], [None]))
+    for m in range(40):
+        assert torch.equal(bf16_kernel.bf16_linear_cat(x[m:m + 1].contiguous(), panels, [b, None])[0], together[m])
+    for start, size in ((3, 2), (7, 17), (0, 33)):
+        part = bf16_kernel.bf16_linear_cat(x[start:start + size].contiguous(), panels, [b, None])
+        assert torch.equal(part, together[start:start + size])
+
+
+def test_bf16_panels_hold_pairs_of_16_outputs():
+    """The layout the kernel reads: panel g, pair p, lane j holds W[16 g + j, 2 p], W[16 g + j, 2 p + 1]."""
+    module = load_kernels()
+    if module is None:
+        pytest.skip("no fused CPU kernel here (needs a compiler)")
+    w = torch.arange(32 * 6, dtype=torch.float32).view(32, 6).bfloat16()
+    panels = module.bf16_panels(w)
+    assert panels.shape == (2, 3, 16, 2)
+    for g, p, j in ((0, 0, 0), (1, 2, 15), (1, 0, 3), (0, 1, 9)):
+        assert torch.equal(panels[g, p, j], w[16 * g + j, 2 * p: 2 * p + 2])
+
+
+def test_a_bfloat16_model_takes_the_kernel_inside_the_engine_only(bf16_kernel, monkeypatch):
+    """adopt() takes a bfloat16 model's linears; inside the engine's decode forwards they make their panels
+    and give the kernel's bits (a row's as alone, at any row count), in prefill forwards and outside F.linear's; the logits agree to bfloat16 precision; the report says so;
+    MAGICDEC_BF16_GEMM=0 leaves the linears to torch."""
+    if engine_linear.bf16_kernel() is None:
+        pytest.skip("this CPU has AMX tiles: a bfloat16 model's GEMMs keep torch's there (not measured against the kernel)")
+    _, model = make_tiny(3)
+    model.to(torch.bfloat16)
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        count = engine_linear.adopt(model)
+        plain = model(input_ids=ids).logits
+        with engine_linear.engine_forward():
+            fast = model(input_ids=ids).logits
+            alone = model(input_ids=ids[1:]).logits
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert count == len(linears) > 0 and all(type(m) is engine_linear.EngineLinear for m in linears)
+    assert torch.equal(before, plain)
+    assert all(m.bf16_panels is not None for m in linears if m.weight.shape[0] % 16 == 0)
+    assert torch.equal(alone[0], fast[1])
+    torch.testing.assert_close(fast.float(), before.float(), atol=0.05, rtol=0.05)
+    layer = linears[0]
+    x = torch.randn(5, layer.in_features).bfloat16()
+    with engine_linear.engine_forward():
+        got = layer(x)
+    panels, bias = layer.bf16_panels
+    assert torch.equal(got, bf16_kernel.bf16_linear_cat(x, [panels], [bias]))
+    many = torch.randn(300, layer.in_features).bfloat16()
+    with engine_linear.engine_forward():
+        assert torch.equal(layer(many), bf16_kernel.bf16_linear_cat(many, [panels], [bias]))
+    with engine_linear.engine_forward(engine_linear.PREFILL):
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # prefill chunks: torch's
+    assert "bfloat16 dot products" in engine_linear.linear_path(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setenv(engine_linear.BF16_ENV, "0")
+    monkeypatch.delitem(engine_linear._state, "bf16", raising=False)
+    assert engine_linear.bf16_kernel() is None
+    _, other = make_tiny(3)
+    other.to(torch.bfloat16)
+    assert engine_linear.adopt(other) == 0
+    assert engine_linear.linear_path(torch.device("cpu"), torch.bfloat16) == "torch"
+    monkeypatch.delitem(engine_linear._state, "bf16")  # the next test finds the kernel again
+
+
+def test_the_memory_check_counts_a_bfloat16_models_panels(monkeypatch):
+    """A bfloat16 CPU job's memory check adds 2 bytes per linear weight where the panels are made (a CPU
+    with AVX512-BF16 and no AMX, the switch on), nothing with the switch off, under tensor parallelism,
+    or for float32."""
+    from engine.config.loading import load_recipe
+    from engine.core.kernels import bf16_gemm_wanted
+    from engine.job import memory
+    from engine.models.shapes import linear_params
+
+    bf16 = load_recipe("generic", ("model=tiny-shape", "dtype=bfloat16", "device=cpu", "draft.method=none"))
+    shapes = memory.model_shapes("tiny-shape")
+    cpu = torch.device("cpu")
+    has = bf16_gemm_wanted()
+    assert memory.bf16_panels_bytes(shapes, cpu, torch.bfloat16, 1) == (2 * linear_params(shapes) if has else 0)
+    assert memory.bf16_panels_bytes(shapes, cpu, torch.bfloat16, 2) == 0
+    assert memory.bf16_panels_bytes(shapes, cpu, torch.float32, 1) == 0
+    with_panels = memory.check_memory(bf16)
+    monkeypatch.setenv(engine_linear.BF16_ENV, "0")
+    assert memory.bf16_panels_bytes(shapes, cpu, torch.bfloat16, 1) == 0
+    assert with_panels - memory.check_memory(bf16) == (2 * linear_params(shapes) if has else 0)

@@ -152,6 +152,23 @@ def test_greedy_output_is_the_same_with_and_without_reuse(tiny_pair, method, dra
         assert on.decoder.prefill_targets[1].store.stats.tokens_reused > 0
 
 
+def test_bfloat16_greedy_output_is_the_same_with_and_without_reuse_and_draft():
+    """A bfloat16 model (its decode GEMMs on the CPU's bfloat16 dot products where it has them, its
+    prefill chunks on torch's): reuse on and off, plain and SnapKV (whose reused prefixes stop before
+    each row's own observation window, so its rows' prefill chunks hold other rows than plain's) write
+    the same tokens."""
+    from conftest import make_tiny
+
+    loaded, _ = make_tiny(3)
+    loaded.model.to(torch.bfloat16)
+    loaded.dtype = torch.bfloat16
+    prompts = documents_and_questions()
+    plain_off = generate(build_engine(recipe("none", reuse=False), loaded), prompts)
+    assert generate(build_engine(recipe("none", reuse=True), loaded), prompts) == plain_off
+    assert generate(build_engine(recipe("snapkv", reuse=True), loaded), prompts) == plain_off
+    assert generate(build_engine(recipe("snapkv", reuse=False), loaded), prompts) == plain_off
+
+
 def test_rows_sharing_a_header_compute_each_document_once(tiny_pair):
     """Every row starts with the same 2-block header (a chat template's) and then its document: once
     the store holds the header, a document's rows must still wait for the wave after its first row's,

@@ -27,11 +27,12 @@ from engine.steps import step, waiting
 
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_draft_ops.cpp", "cpu_guided.cpp",
-                        "cpu_linear.cpp", "cpu_pqcache.cpp")]
+                        "cpu_linear.cpp", "cpu_pqcache.cpp", "cpu_bf16_linear.cpp")]
 # included by the sources, copied beside them
 HEADERS = [Path(__file__).with_name("csrc") / name for name in ("vector_math.h", "amx_tiles.h")]
 AMX_ENV = "MAGICDEC_AMX"  # "0": no AMX tiles (GEMM panels by AVX-512 FMAs, prefill attention by the vector task)
 BF16_DOT_ENV = "MAGICDEC_BF16_DOT"  # "0": a bfloat16 model's prefill attention widens to float32 FMAs
+BF16_GEMM_ENV = "MAGICDEC_BF16_GEMM"  # "0": a bfloat16 model's linears keep torch's GEMM (engine.core.linear)
 REQUIRE_ENV = "MAGICDEC_REQUIRE_KERNEL"  # "1": a failed build raises instead of falling back to torch
 _state: dict[str, object] = {}
 log = logging.getLogger(__name__)
@@ -50,6 +51,14 @@ def _cpuinfo_line(field: str) -> str | None:
 
 def cpu_flags() -> str:
     return _cpuinfo_line("flags") or platform.processor()
+
+
+def bf16_gemm_wanted() -> bool:
+    """Whether a bfloat16 model's decode GEMMs should take the kernel's bfloat16 dot products here: the
+    CPU has AVX512-BF16 but no AMX tiles (there torch's GEMM has them; not measured against this), and
+    `MAGICDEC_BF16_GEMM` is not "0". Read without building the kernel (the memory check asks too)."""
+    flags = cpu_flags().split()
+    return os.environ.get(BF16_GEMM_ENV, "1") != "0" and "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
 def cpu_model() -> str:

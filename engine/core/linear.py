@@ -30,9 +30,20 @@ at 16 rows of the lm_head to 1.4x at a 512-token chunk, BENCHMARKS.md sections 3
 the tiles, panel calls take the kernel up to the row count at which this machine measured torch's
 GEMM faster (`engine.core.panel_rows`, once per machine; every count up to a 512-token chunk on a
 Zen 4, ~96 rows on a Xeon), not only up to `max_rows()`: a verification forward's 48-144 rows then
-get a plain step's arithmetic, 1.8x faster at 48 rows there (BENCHMARKS.md section 40). Not
-here: low-precision draft GEMMs (`engine.spec.draft.gemms`), sharded layers (DeepSpeed's keep their
-own forward), attention.
+get a plain step's arithmetic, 1.8x faster at 48 rows there (BENCHMARKS.md section 40).
+
+A bfloat16 model's linears are `EngineLinear` too where the kernel was built for a CPU with
+AVX512-BF16 and no AMX tiles (there torch's GEMM has them): inside the engine's forwards each multiplies by the CPU's bfloat16 dot products from
+panels of its weight made on first use (`bf16_linear`; cpu_bf16_linear.cpp) in decode steps,
+verification and draft forwards, whatever their rows (a row's bits the same in any of them; 1.7-2x
+torch's bfloat16 GEMM at a decode step's 16 rows on a Zen 4, BENCHMARKS.md section 42). Prefill
+forwards (`engine_forward(PREFILL)`) keep torch's GEMM: as fast at a 512-token chunk, and every
+prompt's K/V then come from one path whichever rows its chunks held (given the kernel for chunks
+of up to 256 rows only, a SnapKV job, whose reused prefixes stop before each row's observation
+window, wrote other bfloat16 answers than the plain job). The panels are a second copy of the
+weights (2 bytes a weight, counted by the memory check). `MAGICDEC_BF16_GEMM=0` keeps torch's GEMM.
+Not here: low-precision draft GEMMs (`engine.spec.draft.gemms`), sharded layers (DeepSpeed's keep
+their own forward), attention.
 """
 
 from __future__ import annotations
@@ -54,12 +65,15 @@ MAX_ROWS = 128  # AVX2: above this torch's GEMM is as fast (BENCHMARKS.md sectio
 MAX_ROWS_AVX512 = 40  # AVX-512: from ~40 rows torch's GEMM is as fast (BENCHMARKS.md section 15)
 SWITCH_ENV = "MAGICDEC_SMALL_GEMM"  # "0": always torch's GEMM
 BLOCKS_ENV = "MAGICDEC_GGUF_BLOCKS"  # "0": the kernel reads float32 weights even where blocks are attached
+BF16_ENV = cpu_kernels.BF16_GEMM_ENV  # "0": a bfloat16 model's linears keep torch's GEMM
 # block formats -> the kernel's ids (cpu_linear.cpp's WeightFormat); *_panels: regrouped by 16 outputs
 FORMATS = {"q4_1": 1, "q8_0": 2, "q4_1_panels": 3, "q8_0_panels": 4}
 _PANEL_IDS = frozenset(FORMATS[name] for name in PANEL_FORMATS.values())
 FORMAT_NAMES = {"q4_1": "Q4_1", "q8_0": "Q8_0", "q4_1_panels": "Q4_1 (16-output panels)",
                 "q8_0_panels": "Q8_0 (16-output panels)"}  # for the report
-_in_engine = contextvars.ContextVar("magicdec_engine_forward", default=False)
+# None: outside the engine's forwards; else "decode" (decode, verification and draft forwards) or "prefill"
+_in_engine = contextvars.ContextVar("magicdec_engine_forward", default=None)
+DECODE, PREFILL = "decode", "prefill"
 _state: dict[str, object] = {}
 
 
@@ -71,6 +85,17 @@ def _kernel():
             kernel = cpu_kernels.load()
         _state["kernel"] = kernel if kernel is not None and kernel.small_linear_available() else None
     return _state["kernel"]
+
+
+def bf16_kernel():
+    """The compiled kernel where bfloat16 linears take its bfloat16 dot products: a build for a CPU with
+    AVX512-BF16 and no AMX (`kernels.bf16_gemm_wanted`), `MAGICDEC_SMALL_GEMM` not "0"; else None."""
+    if "bf16" not in _state:
+        kernel = None
+        if cpu_kernels.bf16_gemm_wanted() and os.environ.get(SWITCH_ENV, "1") != "0":
+            kernel = cpu_kernels.load()
+        _state["bf16"] = kernel if kernel is not None and kernel.bf16_linear_available() else None
+    return _state["bf16"]
 
 
 def _blocks_read() -> frozenset[str]:
@@ -97,6 +122,8 @@ def kernel_in_use() -> bool:
 
 def linear_path(device: torch.device, dtype: torch.dtype, model: torch.nn.Module | None = None) -> str:
     """Who computes decode steps' GEMMs here (for the job report), and from which weights."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and bf16_kernel() is not None:
+        return "bfloat16 dot products (avx512_bf16) from panels of the weights; prefill chunks: torch"
     if device.type == "cpu" and dtype == torch.float32 and kernel_in_use():
         isa = "avx512" if "avx512f" in cpu_kernels.cpu_flags().split() else "avx2"
         path = f"few-row CPU kernel ({isa}) up to {max_rows()} rows, torch above"
@@ -241,23 +268,48 @@ def linear_map(modules: list[torch.nn.Linear]):
 
 
 class EngineLinear(torch.nn.Linear):
-    """An `nn.Linear` whose forward takes `linear` inside the engine's forwards (see the module docstring)."""
+    """An `nn.Linear` whose forward takes `linear` (float32) or `bf16_linear` (bfloat16) inside the
+    engine's forwards (see the module docstring)."""
 
     packed: PackedWeight | None = None  # the GGUF blocks of its weight, where `keep_gguf_blocks` kept them
+    bf16_panels: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (panels, float32 bias), made on first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _in_engine.get():
+        forward = _in_engine.get()
+        if forward is not None:
+            if self.weight.dtype == torch.bfloat16:
+                return bf16_linear(self, x) if forward == DECODE else F.linear(x, self.weight, self.bias)
             return linear(x, self.weight, self.bias, self.packed)
         return F.linear(x, self.weight, self.bias)
 
 
+def bf16_linear(module: EngineLinear, x: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 module's x [..., K] -> [..., N] by the kernel's bfloat16 dot products where it takes
+    them (a bfloat16 CPU input, N a multiple of 16, K even), else F.linear. The weight's panels and the
+    bias in float32 are made on the first call and kept on the module (the weights are frozen)."""
+    kernel = bf16_kernel()
+    weight = module.weight
+    N, K = weight.shape
+    if (kernel is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or N % PANEL_OUTPUTS or K % 2
+            or x.numel() == 0):
+        return F.linear(x, weight, module.bias)
+    if module.bf16_panels is None:
+        bias = module.bias.detach().float().contiguous() if module.bias is not None else None
+        module.bf16_panels = (kernel.bf16_panels(weight.detach()), bias)
+    panels, bias = module.bf16_panels
+    out = kernel.bf16_linear_cat(x.reshape(-1, K).contiguous(), [panels], [bias])
+    return out.view(*x.shape[:-1], N)
+
+
 def adopt(model: torch.nn.Module) -> int:
     """Turn the model's exact `nn.Linear` modules into `EngineLinear` (same parameters, same state
-    dict); returns how many. Only float32 CPU models, where the kernel applies."""
+    dict); returns how many. Only CPU models the kernels take: float32, and bfloat16 where the kernel
+    has bfloat16 dot products (`bf16_kernel`)."""
     count = 0
     for module in model.modules():
-        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu" \
-                and module.weight.dtype == torch.float32:
+        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu" and (
+                module.weight.dtype == torch.float32
+                or (module.weight.dtype == torch.bfloat16 and bf16_kernel() is not None)):
             module.__class__ = EngineLinear
             count += 1
     return count
@@ -286,9 +338,10 @@ def is_plain_linear(module: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def engine_forward():
-    """Inside: `EngineLinear` modules take `linear`."""
-    token = _in_engine.set(True)
+def engine_forward(kind: str = DECODE):
+    """Inside: `EngineLinear` modules take `linear` (float32), and `bf16_linear` (bfloat16) in DECODE
+    forwards (decode, verification, draft) but torch's GEMM in PREFILL ones."""
+    token = _in_engine.set(kind)
     try:
         yield
     finally:

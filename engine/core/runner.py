@@ -19,7 +19,7 @@ import torch
 from engine.core.attention import BATCH_KWARG, FUSED_MAX_NEW, ForwardBatch, attend_full
 from engine.core.lean_forward import LeanStack, stack_for
 from engine.core.kv_cache import KVCache
-from engine.core.linear import adopt as adopt_engine_linears, engine_forward, keep_gguf_blocks
+from engine.core.linear import PREFILL, adopt as adopt_engine_linears, engine_forward, keep_gguf_blocks
 from engine.core.prefill_attention import PrefillBatch, attend_prefill
 from engine.models.loading import LoadedModel
 
@@ -119,7 +119,7 @@ class ModelRunner:
     @torch.inference_mode()
     def module_prefill(self, tokens: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
         """`prefill` through transformers' modules, whatever the lean stack would do (the reference)."""
-        with engine_forward():
+        with engine_forward(PREFILL):
             out = self.model(input_ids=tokens[None], position_ids=batch.positions, use_cache=False,
                              logits_to_keep=batch.last_indices, **{BATCH_KWARG: batch})
         return out.logits[0].float()

@@ -4,10 +4,12 @@ The KV cache is the big allocation (slots x capacity x layers x 2 x kv_heads x h
 see `KVCache.bytes_needed`); the weights come on top, and the prefix store of each model's cache
 (`batch.prefix_cache` tokens of K/V, `engine.core.prefix_store`), the draft's lower-precision copy of
 its linear weights (`engine.spec.draft.gemms`) when it has one, the GGUF blocks a float32 CPU model
-keeps for its few-row GEMMs (`engine.models.gguf_blocks`), and the lean CPU draft's compact bf16
-store of its StreamingLLM/SnapKV/guided view (`engine.spec.compressors.compact`). If they do not fit in what the
-device has free, the job stops with one line that says so and names the largest `batch.size` that fits.
-This module only estimates; it allocates nothing.
+keeps for its few-row GEMMs (`engine.models.gguf_blocks`), the panels a bfloat16 CPU model's
+linears are multiplied from on a CPU with AVX512-BF16 (`engine.core.linear.bf16_linear`), and the lean
+CPU draft's compact bf16 store of its StreamingLLM/SnapKV/guided view
+(`engine.spec.compressors.compact`). If they do not fit in what the device has free, the job stops
+with one line that says so and names the largest `batch.size` that fits. This module only
+estimates; it allocates nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 
 from engine.config.schema import Recipe, round_scratch, slot_capacity
+from engine.core.kernels import bf16_gemm_wanted
 from engine.core.kv_cache import KVCache
 from engine.core.prefix_store import PrefixStore
 from engine.errors import JobError
@@ -80,6 +83,15 @@ def gguf_blocks_bytes(spec: str, shapes: dict, device: torch.device, dtype: torc
     return linear_params(shapes) * max(BLOCK_BYTES.values()) // BLOCK_WEIGHTS
 
 
+def bf16_panels_bytes(shapes: dict, device: torch.device, dtype: torch.dtype, tp: int) -> int:
+    """At most what a bfloat16 CPU model's weight panels take (a second bfloat16 copy of every linear
+    weight and the lm_head), where its decode GEMMs take them (`kernels.bf16_gemm_wanted`); sharded
+    layers (tp > 1) keep none."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or tp > 1 or not bf16_gemm_wanted():
+        return 0
+    return linear_params(shapes) * 2
+
+
 def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
     """Raise JobError if KV cache + weights exceed the free memory; returns the bytes needed."""
     device = resolve_device(recipe.device)
@@ -94,7 +106,8 @@ def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
     draft_copy = linear_params(shapes[-1]) * draft_dtype.itemsize // tp if draft_dtype else 0
 
     stores = sum(prefix_store_bytes(recipe, s, dtype, tp) for s in shapes)  # independent of the batch size
-    blocks = sum(gguf_blocks_bytes(m, s, device, dtype) for m, s in zip(models, shapes))
+    blocks = sum(gguf_blocks_bytes(m, s, device, dtype) + bf16_panels_bytes(s, device, dtype, tp)
+                 for m, s in zip(models, shapes))
 
     def need(n: int) -> int:
         return (draft_copy + stores + blocks + compact_bytes(recipe, shapes[-1], n, device)

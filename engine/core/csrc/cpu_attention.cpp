@@ -1184,6 +1184,12 @@ std::vector<int64_t> small_linear_formats();
 bool amx_in_use();
 bool use_amx(bool enabled);
 
+// The bfloat16 linear map on bfloat16 dot products (cpu_bf16_linear.cpp).
+bool bf16_linear_available();
+torch::Tensor bf16_panels(torch::Tensor weight);
+torch::Tensor bf16_linear_cat(torch::Tensor x, std::vector<torch::Tensor> panels,
+                              std::vector<c10::optional<torch::Tensor>> biases);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_available", &small_linear_available, "whether small_linear is compiled in (AVX2 + FMA)");
   m.def("small_linear", &small_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
@@ -1193,6 +1199,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("formats") = std::vector<int64_t>{},
         "small_linear of several weights at once, their outputs side by side [M, sum N] (no weight copy); "
         "a weight with a format (1: Q4_1, 2: Q8_0) is read from its GGUF blocks, same bits");
+  m.def("bf16_linear_available", &bf16_linear_available,
+        "whether bf16_linear_cat is compiled in (a CPU with AVX512-BF16)");
+  m.def("bf16_panels", &bf16_panels, py::arg("weight"), "a bfloat16 weight [N, K] as bf16_linear_cat's panels");
+  m.def("bf16_linear_cat", &bf16_linear_cat, py::arg("x"), py::arg("panels"), py::arg("biases"),
+        "bfloat16 x [M, K] by every panel set's weight, side by side, on bfloat16 dot products");
   m.def("small_linear_formats", &small_linear_formats, "the weight formats small_linear_cat reads here");
   m.def("amx_in_use", &amx_in_use, "whether GGUF panels are multiplied by the AMX tile unit here");
   m.def("use_amx", &use_amx, "allow (true) or forbid (false) the AMX tile unit (GEMM panels and prefill "
