@@ -61,11 +61,9 @@ def test_linear_takes_the_kernel_only_where_it_applies(kernel):
     assert torch.equal(engine_linear.linear(low, w.bfloat16()), F.linear(low, w.bfloat16()))
 
 
-def test_engine_linears_are_plain_outside_the_engines_forwards(kernel):
-    """adopt() keeps the parameters and the state dict; transformers' own calls still run F.linear,
-    the runner's forwards run the kernel, and the model's outputs agree to float32 precision."""
-    _, model = make_tiny(3)
-    ids = torch.randint(3, 500, (1, 9), generator=torch.Generator().manual_seed(0))
+def adopted_logits(model, ids):
+    """The model's logits for ids before adopt(), after it outside the engine's forwards and inside a
+    decode forward, and its linears (asserted all adopted, parameters and state dict unchanged)."""
     state = {name: t.clone() for name, t in model.state_dict().items()}
     with torch.no_grad():
         before = model(input_ids=ids).logits
@@ -77,6 +75,14 @@ def test_engine_linears_are_plain_outside_the_engines_forwards(kernel):
     assert count == len(linears) > 0 and all(type(m) is engine_linear.EngineLinear for m in linears)
     assert all(torch.equal(t, state[name]) for name, t in model.state_dict().items())
     assert torch.equal(before, plain)
+    return before, fast, linears
+
+
+def test_engine_linears_are_plain_outside_the_engines_forwards(kernel):
+    """adopt() keeps the parameters and the state dict; transformers' own calls still run F.linear,
+    the runner's forwards run the kernel, and the model's outputs agree to float32 precision."""
+    _, model = make_tiny(3)
+    before, fast, _ = adopted_logits(model, torch.randint(3, 500, (1, 9), generator=torch.Generator().manual_seed(0)))
     torch.testing.assert_close(fast, before, atol=1e-4, rtol=1e-4)
     if engine_linear.kernel_in_use():
         assert not torch.equal(fast, before)  # ...and the kernel really ran inside
@@ -142,24 +148,19 @@ def test_bf16_panels_hold_pairs_of_16_outputs():
 
 
 def test_a_bfloat16_model_takes_the_kernel_inside_the_engine_only(bf16_kernel, monkeypatch):
-    """adopt() takes a bfloat16 model's linears; inside the engine's decode forwards they make their panels
-    and give the kernel's bits (a row's as alone, at any row count), in prefill forwards and outside F.linear's; the logits agree to bfloat16 precision; the report says so;
+    """adopt() takes a bfloat16 model's linears; inside the engine's decode forwards they make their
+    panels and give the kernel's bits (a row's as alone, at any row count), in prefill forwards and
+    outside F.linear's; the logits agree to bfloat16 precision; the report says so;
     MAGICDEC_BF16_GEMM=0 leaves the linears to torch."""
     if engine_linear.bf16_kernel() is None:
-        pytest.skip("this CPU has AMX tiles: a bfloat16 model's GEMMs keep torch's there (not measured against the kernel)")
+        pytest.skip("this CPU has AMX tiles: a bfloat16 model's GEMMs keep torch's there (not measured "
+                    "against the kernel)")
     _, model = make_tiny(3)
     model.to(torch.bfloat16)
     ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        before = model(input_ids=ids).logits
-        count = engine_linear.adopt(model)
-        plain = model(input_ids=ids).logits
-        with engine_linear.engine_forward():
-            fast = model(input_ids=ids).logits
-            alone = model(input_ids=ids[1:]).logits
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert count == len(linears) > 0 and all(type(m) is engine_linear.EngineLinear for m in linears)
-    assert torch.equal(before, plain)
+    before, fast, linears = adopted_logits(model, ids)
+    with torch.no_grad(), engine_linear.engine_forward():
+        alone = model(input_ids=ids[1:]).logits
     assert all(m.bf16_panels is not None for m in linears if m.weight.shape[0] % 16 == 0)
     assert torch.equal(alone[0], fast[1])
     torch.testing.assert_close(fast.float(), before.float(), atol=0.05, rtol=0.05)
