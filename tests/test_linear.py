@@ -188,8 +188,7 @@ def test_a_bfloat16_model_takes_the_kernel_inside_the_engine_only(bf16_kernel, m
 
 def test_the_memory_check_counts_a_bfloat16_models_panels(monkeypatch):
     """A bfloat16 CPU job's memory check adds 2 bytes per linear weight where the panels are made (a CPU
-    with AVX512-BF16 and no AMX, the switch on), nothing with the switch off, under tensor parallelism,
-    or for float32."""
+    with AVX512-BF16 and no AMX, the switch on), nothing with the switch off or for float32."""
     from engine.config.loading import load_recipe
     from engine.core.kernels import bf16_gemm_wanted
     from engine.job import memory
@@ -199,10 +198,9 @@ def test_the_memory_check_counts_a_bfloat16_models_panels(monkeypatch):
     shapes = memory.model_shapes("tiny-shape")
     cpu = torch.device("cpu")
     has = bf16_gemm_wanted()
-    assert memory.bf16_panels_bytes(shapes, cpu, torch.bfloat16, 1) == (2 * linear_params(shapes) if has else 0)
-    assert memory.bf16_panels_bytes(shapes, cpu, torch.bfloat16, 2) == 0
-    assert memory.bf16_panels_bytes(shapes, cpu, torch.float32, 1) == 0
+    assert memory.bf16_panels_bytes(shapes, cpu, torch.bfloat16) == (2 * linear_params(shapes) if has else 0)
+    assert memory.bf16_panels_bytes(shapes, cpu, torch.float32) == 0
     with_panels = memory.check_memory(bf16)
     monkeypatch.setenv(engine_linear.BF16_ENV, "0")
-    assert memory.bf16_panels_bytes(shapes, cpu, torch.bfloat16, 1) == 0
+    assert memory.bf16_panels_bytes(shapes, cpu, torch.bfloat16) == 0
     assert with_panels - memory.check_memory(bf16) == (2 * linear_params(shapes) if has else 0)

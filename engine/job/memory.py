@@ -83,11 +83,12 @@ def gguf_blocks_bytes(spec: str, shapes: dict, device: torch.device, dtype: torc
     return linear_params(shapes) * max(BLOCK_BYTES.values()) // BLOCK_WEIGHTS
 
 
-def bf16_panels_bytes(shapes: dict, device: torch.device, dtype: torch.dtype, tp: int) -> int:
+def bf16_panels_bytes(shapes: dict, device: torch.device, dtype: torch.dtype) -> int:
     """At most what a bfloat16 CPU model's weight panels take (a second bfloat16 copy of every linear
-    weight and the lm_head), where its decode GEMMs take them (`kernels.bf16_gemm_wanted`); sharded
-    layers (tp > 1) keep none."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or tp > 1 or not bf16_gemm_wanted():
+    weight and the lm_head), where its decode GEMMs take them (`kernels.bf16_gemm_wanted`). Under
+    tensor parallelism the sharded layers keep none, but which stay whole depends on DeepSpeed, so
+    every rank is charged the whole model's (an upper bound)."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or not bf16_gemm_wanted():
         return 0
     return linear_params(shapes) * 2
 
@@ -106,7 +107,7 @@ def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
     draft_copy = linear_params(shapes[-1]) * draft_dtype.itemsize // tp if draft_dtype else 0
 
     stores = sum(prefix_store_bytes(recipe, s, dtype, tp) for s in shapes)  # independent of the batch size
-    blocks = sum(gguf_blocks_bytes(m, s, device, dtype) + bf16_panels_bytes(s, device, dtype, tp)
+    blocks = sum(gguf_blocks_bytes(m, s, device, dtype) + bf16_panels_bytes(s, device, dtype)
                  for m, s in zip(models, shapes))
 
     def need(n: int) -> int:
