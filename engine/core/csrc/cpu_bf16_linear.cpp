@@ -74,10 +74,8 @@ template <int P, int... R>
 constexpr std::array<PanelRows, sizeof...(R) + 1> panel_table(std::integer_sequence<int, R...>) {
   return {nullptr, &panel_rows<P, R + 1>...};
 }
-// [P - 1][R] -> P panels x R rows (the two-panel table's rows past kMaxRowsTwoPanels unused)
-constexpr std::array<std::array<PanelRows, kMaxRowsOnePanel + 1>, 2> kPanelRows = {
-    panel_table<1>(std::make_integer_sequence<int, kMaxRowsOnePanel>{}),
-    panel_table<2>(std::make_integer_sequence<int, kMaxRowsOnePanel>{})};
+constexpr auto kOnePanelRows = panel_table<1>(std::make_integer_sequence<int, kMaxRowsOnePanel>{});  // [R]
+constexpr auto kTwoPanelRows = panel_table<2>(std::make_integer_sequence<int, kMaxRowsTwoPanels>{});  // [R]
 #endif
 
 }  // namespace
@@ -148,7 +146,8 @@ torch::Tensor bf16_linear_cat(torch::Tensor x, std::vector<torch::Tensor> panels
       const float* bn = bias_ptr[i] != nullptr ? bias_ptr[i] + g * kOutputs : nullptr;
       for (int64_t tile = 0, m = 0; tile < tiles; ++tile) {  // near-equal row tiles of at most max_rows
         const int64_t rows = (M - m) / (tiles - tile);
-        kPanelRows[P - 1][rows](xw + m * pairs, pairs, pairs, panel, bn, op + m * N + n, N);
+        const PanelRows kernel = P == 1 ? kOnePanelRows[rows] : kTwoPanelRows[rows];
+        kernel(xw + m * pairs, pairs, pairs, panel, bn, op + m * N + n, N);
         m += rows;
       }
     }
