@@ -26,6 +26,63 @@
 #include <utility>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// The two scans that pick scores out of a task's positions, vectorized by AVX-512 where the build
+// has it (a compare gives a 16-lane mask, a compress moves the passing lanes together in a register
+// and the whole register is stored: the store form of the compress is slow on Zen 4), else scalar,
+// branch-free (a store always, the count advanced by the comparison: about one score in seven
+// passes, and a branch on it mispredicts often enough to double a task). Both write up to 16 entries
+// past their count: their buffers keep that much room.
+
+// values[0, count) = the scores s[p] >= pivot of p in [from, to), in order; returns count.
+static inline int64_t scores_at_least(const float* __restrict s, int64_t from, int64_t to, float pivot,
+                                      float* __restrict values) {
+  int64_t count = 0, p = from;
+#if defined(__AVX512F__)
+  const __m512 bar = _mm512_set1_ps(pivot);
+  for (; p + 16 <= to; p += 16) {
+    const __m512 x = _mm512_loadu_ps(s + p);
+    const __mmask16 pass = _mm512_cmp_ps_mask(x, bar, _CMP_GE_OQ);
+    _mm512_storeu_ps(values + count, _mm512_maskz_compress_ps(pass, x));
+    count += __builtin_popcount(pass);
+  }
+#endif
+  for (; p < to; ++p) {
+    values[count] = s[p];
+    count += s[p] >= pivot;
+  }
+  return count;
+}
+
+// Appends to out[n, ...) the positions p in [from, to) with s[p] >= bar or p >= newest_from, in
+// order; returns the new n.
+static inline int64_t positions_at_least(const float* __restrict s, int64_t from, int64_t to, float bar,
+                                         int64_t newest_from, int64_t* __restrict out, int64_t n) {
+  int64_t p = from;
+#if defined(__AVX512F__)
+  const __m512 bar_v = _mm512_set1_ps(bar);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i newest = _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(newest_from, to)));
+  for (; p + 16 <= to; p += 16) {  // positions fit int32: a task's scores number far fewer
+    const __m512i where = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(p)), lanes);
+    const __mmask16 pass = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + p), bar_v, _CMP_GE_OQ) |
+                           _mm512_cmpge_epi32_mask(where, newest);
+    const __m512i packed = _mm512_maskz_compress_epi32(pass, where);
+    _mm512_storeu_si512(out + n, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(packed)));
+    _mm512_storeu_si512(out + n + 8, _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(packed, 1)));
+    n += __builtin_popcount(pass);
+  }
+#endif
+  for (; p < to; ++p) {
+    out[n] = p;
+    n += (s[p] >= bar) | (p >= newest_from);
+  }
+  return n;
+}
+
 // scores: [layers, B, kv_heads, N] float32 contiguous; slots, kept_end, old_count: [B] int64;
 // kept: [layers, slots, kv_heads, K] int64 contiguous, K >= sink + top, updated in place (entries
 // [0, count) of each task; count = min(sink, kept_end) + min(top, kept_end - sink)); old_count: the
@@ -83,8 +140,8 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
   }
   std::atomic<int64_t> changed{0};
   at::parallel_for(0, layers * B * KVH, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<int64_t> chosen(sink + top + 1);
-    std::vector<float> values(std::max<int64_t>(N - sink, 0));
+    std::vector<int64_t> chosen(sink + top + 16);  // the scans write up to 16 entries past the kept ones
+    std::vector<float> values(std::max<int64_t>(N - sink, 0) + 16);
     std::vector<float> raised(successors > 0 ? N : 0);
     std::vector<uint8_t> mark(with_store ? N : 0, 0), stays;
     std::vector<std::pair<int64_t, int64_t>> moves;  // (store entry, position) to copy
@@ -120,27 +177,16 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
           need -= faint;
           cutoff = faint ? p : cutoff;
         }
-        int64_t n = sinks;
-        for (int64_t p = sink; p < end; ++p) {
-          chosen[n] = p;
-          n += (s[p] >= bar) | (p >= cutoff);
-        }
+        positions_at_least(s, sink, end, bar, cutoff, chosen.data(), sinks);
         hp[task] = 0.0f;  // no score threshold to start the next round's selection from
       } else {
         // The top-th largest score, then one scan: every score above it and, lowest positions
         // first, as many equal to it as there is room for.
         // Scores move little between rounds: with half the previous round's threshold as a pivot,
         // the selection runs over the few scores above it (exact whenever at least `top` are).
-        // The scans are branch-free (a store always, the count advanced by the comparison): about
-        // one score in seven passes, and a branch on it mispredicts often enough to double a task.
         const float pivot = hp[task] * 0.5f / static_cast<float>(hint_scale);
         int64_t passed = 0;
-        if (pivot > 0.0f) {
-          for (int64_t p = sink; p < end; ++p) {
-            values[passed] = s[p];
-            passed += s[p] >= pivot;
-          }
-        }
+        if (pivot > 0.0f) passed = scores_at_least(s, sink, end, pivot, values.data());
         if (passed < top) {
           std::copy(s + sink, s + end, values.begin());
           passed = end - sink;
@@ -155,10 +201,7 @@ int64_t guided_select(torch::Tensor scores, torch::Tensor slots, torch::Tensor k
         }
         int64_t ties = top - above, n = sinks;
         if (equal == ties) {  // the usual case: every score equal to the threshold fits
-          for (int64_t p = sink; p < end; ++p) {
-            chosen[n] = p;  // chosen has one spare entry past the last kept one
-            n += s[p] >= threshold;
-          }
+          positions_at_least(s, sink, end, threshold, end, chosen.data(), n);
         } else {
           for (int64_t p = sink; p < end; ++p) {
             const bool tie = s[p] == threshold;
