@@ -8,16 +8,19 @@ gives the guided selection the attention those tokens' own queries will pay, bef
 
 - `+round`: one view per round from the attention mass of the round's gamma + 1 true queries (the
   pending token and the gamma tokens the drafts should be), summed: the issue's rule (sink, window,
-  top by score, floor, successors) with perfect knowledge of the round's queries. No rule that
-  chooses one view per round from past attention can do better on average than its own oracle.
+  top by score, floor, successors) with perfect knowledge of the round's queries: what the rule
+  reaches when its prediction of the round's attention is exact.
 - `+step`: a view per draft step from that step's true query alone (the per-query masses are the
-  differences of target forwards over the first m true tokens, m = 1 .. gamma + 1): what PQCache
+  differences of target forwards over the first m true tokens, m = 1 .. gamma): what PQCache
   approximates with its codes, exactly.
+- `+last1`, `+last3`, `+last7` (not an oracle): a view per round from the queries of each row's
+  newest 1, 3 or 7 committed tokens only, recomputed by a target forward, where the verification's
+  own mass also sums the queries of rejected drafts: does a nearer or cleaner past predict better?
 
 The oracle forwards write the true tokens' K/V past the committed length and are rolled back; each
 draft step then overwrites its own position before reading it, as always, so the draft reads nothing
 it would not read otherwise. Acceptance is the figure here; the oracle's forwards make the times
-meaningless. Methods are `bench_variants.py`'s, with `+round` or `+step` after a guided one:
+meaningless. Methods are `bench_variants.py`'s, with one of those after a guided one:
 
     PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/guided_oracle.py --gamma 6 \\
         --methods "pqcache guided guided+round guided@successors=0+round guided+step" \\
