@@ -55,7 +55,8 @@ def split_oracle(method: str) -> tuple[str, str | None]:
 
 class OracleRounds(RoundRunner):
     """RoundRunner whose guided view is chosen, before each round (or draft step), from the
-    attention of the tokens the round will emit. truth[i]: row i's plain greedy output."""
+    attention of the tokens the round will emit (or, `lastK`, of the newest committed ones).
+    truth[i]: row i's plain greedy output."""
 
     def __init__(self, rounds: RoundRunner, oracle: str, truth: list[list[int]]):
         super().__init__(rounds.target, rounds.draft, rounds.compressor, rounds.stats, rounds.sync,
@@ -63,8 +64,7 @@ class OracleRounds(RoundRunner):
         assert self.self_speculation and self.compressor.wants_mass, "the oracle is for a self-speculating guided draft"
         self.oracle, self.truth = oracle, truth
         self.step_masses: list[torch.Tensor] | None = None  # per draft step: [layers, B, kv_heads, N]
-        self.round_slots: list[int] = []
-        self.round_lengths: list[int] = []
+        self.round_lengths: list[int] = []  # the round's committed lengths (with step_masses)
         original_view = self.compressor.view
 
         def view(slots, ends):  # re-select from the step's own query before a draft step reads the view
@@ -152,7 +152,7 @@ class OracleRounds(RoundRunner):
                 step[..., :width] -= sums[m - 1]
                 steps.append(step.clamp_(min=0.0))
         self.step_masses = steps
-        self.round_slots, self.round_lengths = slots, lengths
+        self.round_lengths = lengths
 
 
 class OracleBench(VariantBench):
