@@ -42,29 +42,40 @@ class VariantBench(Bench):
         return super()._predict(shapes, hardware, dict(row, method=base_method(row["method"])), element)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", required=True, help="space-separated, e.g. 'streamingllm guided@window=256'")
-    parser.add_argument("--gamma", default="auto", help="comma-separated ints and/or auto")
+def variant_parser(doc: str, *, gamma: str, gamma_help: str, new_tokens: int, methods_example: str):
+    """The flags of a bench over method variants (this script's and `guided_oracle.py`'s)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", required=True, help=f"space-separated, e.g. '{methods_example}'")
+    parser.add_argument("--gamma", default=gamma, help=gamma_help)
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--context", type=int, default=3328)
     parser.add_argument("--budget", default="512", help="comma-separated ints")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    gammas = tuple(g if g == "auto" else int(g) for g in args.gamma.split(","))
+    return parser
+
+
+def run_variants(bench_class, args, gammas: tuple) -> None:
+    """Run `bench_class` (a VariantBench) over the parsed flags, plain decoding first, and write args.out."""
     budgets = tuple(int(b) for b in args.budget.split(","))
     spec = BenchSpec(batches=(args.batch,), contexts=(args.context,), methods=("none", *args.methods.split()),
                      budgets=budgets, gammas=gammas, new_tokens=args.new_tokens, prompts=args.prompts, hf=False)
     try:
-        result = VariantBench(spec).run()
+        result = bench_class(spec).run()
     except JobError as exc:  # a bad method or draft key: one line, exit 2, as the CLI does
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"wrote {args.out}")
+
+
+def main() -> None:
+    parser = variant_parser(__doc__, gamma="auto", gamma_help="comma-separated ints and/or auto", new_tokens=64,
+                            methods_example="streamingllm guided@window=256")
+    args = parser.parse_args()
+    run_variants(VariantBench, args, tuple(g if g == "auto" else int(g) for g in args.gamma.split(",")))
 
 
 if __name__ == "__main__":

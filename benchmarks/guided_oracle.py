@@ -29,17 +29,11 @@ meaningless. Methods are `bench_variants.py`'s, with one of those after a guided
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-
 import torch
 
 import engine.bench.sweep as sweep
-from bench_variants import VariantBench
-from engine.bench.sweep import BenchSpec
+from bench_variants import VariantBench, run_variants, variant_parser
 from engine.core.attention import ForwardBatch
-from engine.errors import JobError
 from engine.spec.rounds import RoundRunner
 
 ORACLES = ("round", "step", "last1", "last3", "last7")
@@ -184,35 +178,17 @@ class OracleBench(VariantBench):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", required=True, help="space-separated, e.g. 'pqcache guided guided+round'")
-    parser.add_argument("--gamma", default="6", help="comma-separated ints (a fixed gamma: the oracle's rounds "
-                                                    "are slow, so `auto` would measure them, not the draft)")
-    parser.add_argument("--prompts", required=True)
-    parser.add_argument("--context", type=int, default=3328)
-    parser.add_argument("--budget", default="512", help="comma-separated ints")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--out", required=True)
+    parser = variant_parser(__doc__, gamma="6", new_tokens=128, methods_example="pqcache guided guided+round",
+                            gamma_help="comma-separated ints (a fixed gamma: the oracle's rounds are slow, "
+                                       "so `auto` would measure them, not the draft)")
     args = parser.parse_args()
     if "auto" in args.gamma:
         parser.error("--gamma: fixed values only (see --help)")
-    gammas = tuple(int(g) for g in args.gamma.split(","))
-    budgets = tuple(int(b) for b in args.budget.split(","))
     for method in args.methods.split():
         base, oracle = split_oracle(method)
         if oracle and not base.startswith("guided"):
             parser.error(f"--methods: {method}: +{oracle} is for guided methods")
-    spec = BenchSpec(batches=(args.batch,), contexts=(args.context,), methods=("none", *args.methods.split()),
-                     budgets=budgets, gammas=gammas, new_tokens=args.new_tokens, prompts=args.prompts, hf=False)
-    try:
-        result = OracleBench(spec).run()
-    except JobError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1, default=str)
-    print(f"wrote {args.out}")
+    run_variants(OracleBench, args, tuple(int(g) for g in args.gamma.split(",")))
 
 
 if __name__ == "__main__":
