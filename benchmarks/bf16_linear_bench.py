@@ -5,15 +5,13 @@ default model's 30 layers of linears (q, k, v, o, gate, up, down at SmolLM2-135M
 bfloat16 weights: the time does not depend on the values) through `bf16_linear_cat` from panels and
 through `F.linear`, alternating, the median of --repeats rounds each. Writes JSON.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bf16_linear_bench.py --rows 16,32,48,80,144,512 \\
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/bf16_linear_bench.py --rows 16,32,48,80,144,512 \\
         --out benchmarks/results/bf16_linear.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from decode_setup import write_result
 from engine.core import kernels
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # [N, K]
@@ -63,11 +62,7 @@ def main() -> None:
                "speedup": round(torch_ms / kernel_ms, 3), "kernel_gflop_per_s": round(flop / kernel_ms / 1e6, 1)}
         print(row)
         results.append(row)
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or "cpu",
-           "cpu": kernels.cpu_model(),
-           "threads": torch.get_num_threads(), "torch": torch.__version__, "layers": LAYERS, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, torch=torch.__version__, layers=LAYERS, results=results)
     print(f"wrote {args.out}")
 
 
