@@ -1,7 +1,8 @@
 """The draft's lower-precision GEMMs: the target's modules compute exactly as before and are not
-patched; the draft's own module tree computes each linear layer as F.linear in the low dtype (int8:
-held to a brute-force quantised product); `auto` picks int8 where the CPU has VNNI, else bf16 where it
-has native bf16 dot products, else nothing."""
+patched; the draft's own module tree computes each linear layer in the low dtype (bfloat16: F.linear,
+or the kernel's bfloat16 dot products where it has them; fbgemm's int8: held to a brute-force
+quantised product; int8 from GGUF panels: tests/test_int8_panels.py); `auto` picks int8 where the CPU
+has VNNI, else bf16 where it has native bf16 dot products, else nothing."""
 
 from __future__ import annotations
 
@@ -45,6 +46,30 @@ def test_each_draft_linear_computes_in_the_low_dtype():
     want = F.linear(x.bfloat16(), layer.weight.detach().bfloat16(), layer.bias.detach().bfloat16()).float()
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert DraftGemms.for_model(model, torch.bfloat16) is gemms  # shared per model
+
+
+def test_a_bfloat16_draft_gemm_takes_the_cpus_bfloat16_dot_products_where_the_kernel_has_them():
+    """Where the kernel multiplies bfloat16 (`cpu_bf16_linear.cpp`), a draft's bfloat16 copy of a float32
+    weight is its panels: the kernel's bits for the rounded operands, within one bfloat16 rounding of
+    their float64 product; weights it does not take (N not a multiple of 16) keep F.linear."""
+    from engine.core import linear as engine_linear
+    kernel = engine_linear.bf16_kernel()
+    if kernel is None:
+        pytest.skip("no bfloat16 dot products in the kernel here (a CPU without AVX512-BF16, or with AMX "
+                    "tiles, where torch's bfloat16 GEMM has them)")
+    layer = torch.nn.Linear(96, 48)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = draft_gemms.make_linear(layer.weight, layer.bias, torch.bfloat16)(x)
+        xb, wb = x.bfloat16(), layer.weight.bfloat16()
+        kernel_bits = kernel.bf16_linear_cat(xb, [kernel.bf16_panels(wb)], [layer.bias.float()]).float()
+        want = xb.double() @ wb.double().T + layer.bias.double()
+    assert got.dtype == torch.float32 and torch.equal(got, kernel_bits)
+    assert ((got.double() - want).abs() <= 2.0 ** -8 * want.abs() + 1e-5).all()
+    odd = torch.nn.Linear(96, 24)  # 24 outputs: not whole panels
+    with torch.no_grad():
+        kept = draft_gemms.make_linear(odd.weight, odd.bias, torch.bfloat16)(x)
+    assert torch.equal(kept, F.linear(x.bfloat16(), odd.weight.bfloat16(), odd.bias.bfloat16()).float())
 
 
 def test_auto_uses_int8_or_bf16_only_for_float32_on_cpus_with_native_dot_products(monkeypatch):

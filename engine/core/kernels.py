@@ -27,7 +27,8 @@ from engine.steps import step, waiting
 
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_draft_ops.cpp", "cpu_guided.cpp",
-                        "cpu_linear.cpp", "cpu_pqcache.cpp", "cpu_bf16_linear.cpp")]
+                        "cpu_linear.cpp", "cpu_pqcache.cpp", "cpu_bf16_linear.cpp",
+                        "cpu_int8_panels.cpp")]
 # included by the sources, copied beside them
 HEADERS = [Path(__file__).with_name("csrc") / name for name in ("vector_math.h", "amx_tiles.h")]
 AMX_ENV = "MAGICDEC_AMX"  # "0": no AMX tiles (GEMM panels by AVX-512 FMAs, prefill attention by the vector task)

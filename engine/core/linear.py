@@ -42,8 +42,11 @@ prompt's K/V then come from one path whichever rows its chunks held (given the k
 of up to 256 rows only, a SnapKV job, whose reused prefixes stop before each row's observation
 window, wrote other bfloat16 answers than the plain job). The panels are a second copy of the
 weights (2 bytes a weight, counted by the memory check). `MAGICDEC_BF16_GEMM=0` keeps torch's GEMM.
-Not here: low-precision draft GEMMs (`engine.spec.draft.gemms`), sharded layers (DeepSpeed's keep
-their own forward), attention.
+Two maps for a self-speculative draft's cheaper GEMMs (`engine.spec.draft.gemms` decides when):
+`bf16_panel_linear`, a float32 weight's bfloat16 panels on the same dot products, and
+`int8_panel_map`, the model's own GGUF panels with the input rounded to int8 per row and block of
+32, on VNNI dot products (cpu_int8_panels.cpp). Not here: fbgemm's int8 and the choice of the draft's
+dtype (`engine.spec.draft.gemms`), sharded layers (DeepSpeed's keep their own forward), attention.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ MAX_ROWS_AVX512 = 40  # AVX-512: from ~40 rows torch's GEMM is as fast (BENCHMAR
 SWITCH_ENV = "MAGICDEC_SMALL_GEMM"  # "0": always torch's GEMM
 BLOCKS_ENV = "MAGICDEC_GGUF_BLOCKS"  # "0": the kernel reads float32 weights even where blocks are attached
 BF16_ENV = cpu_kernels.BF16_GEMM_ENV  # "0": a bfloat16 model's linears keep torch's GEMM
+INT8_PANELS_ENV = "MAGICDEC_INT8_PANELS"  # "0": a draft's int8 GEMMs by fbgemm even where Q4_1 panels are kept
 # block formats -> the kernel's ids (cpu_linear.cpp's WeightFormat); *_panels: regrouped by 16 outputs
 FORMATS = {"q4_1": 1, "q8_0": 2, "q4_1_panels": 3, "q8_0_panels": 4}
 _PANEL_IDS = frozenset(FORMATS[name] for name in PANEL_FORMATS.values())
@@ -299,6 +303,47 @@ def bf16_linear(module: EngineLinear, x: torch.Tensor) -> torch.Tensor:
     panels, bias = module.bf16_panels
     out = kernel.bf16_linear_cat(x.reshape(-1, K).contiguous(), [panels], [bias])
     return out.view(*x.shape[:-1], N)
+
+
+def bf16_panel_linear(weight: torch.Tensor, bias: torch.Tensor | None):
+    """x [..., K] (any float dtype) -> x @ weight.T + bias [..., N] in x's dtype, by the kernel's
+    bfloat16 dot products on panels of weight [N, K] rounded to bfloat16, made now (for a draft's
+    bfloat16 copy of a float32 weight, `engine.spec.draft.gemms`); None where the kernel does not
+    take it (no `bf16_kernel`, a weight off the CPU, N not a multiple of 16, K odd)."""
+    kernel = bf16_kernel()
+    N, K = weight.shape
+    if kernel is None or weight.device.type != "cpu" or N % PANEL_OUTPUTS or K % 2:
+        return None
+    panels = kernel.bf16_panels(weight.detach().to(torch.bfloat16).contiguous())  # [N / 16, K / 2, 16, 2]
+    bias32 = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, K).to(torch.bfloat16).contiguous()  # [M, K]
+        return kernel.bf16_linear_cat(rows, [panels], [bias32]).view(*x.shape[:-1], N).to(x.dtype)
+    return forward
+
+
+def int8_panel_map(modules: list[torch.nn.Module]):
+    """A draft's int8 map over these modules side by side, from their own GGUF panels: x [..., K] ->
+    [..., sum of N_i] in x's dtype, x rounded to int8 per row and block of 32 and multiplied by the
+    CPU's VNNI dot products (cpu_int8_panels.cpp; `engine.spec.draft.gemms`'s int8, with no weight
+    copy). None unless every module keeps Q4_1 or Q8_0 panels read here (`keep_gguf_blocks`) and the
+    kernel has the op (AVX512-VNNI and AVX512-VBMI); `MAGICDEC_INT8_PANELS=0` says None too (the draft
+    then takes fbgemm's int8)."""
+    kernel = _kernel()
+    packed = [getattr(m, "packed", None) for m in modules]
+    if (kernel is None or os.environ.get(INT8_PANELS_ENV, "1") == "0" or not kernel.int8_panels_available()
+            or not all(p is not None and p.format in PANEL_FORMATS.values() and p.format in _blocks_read()
+                       for p in packed)):
+        return None
+    panels = [p.blocks for p in packed]  # each [N_i / 16, K / 32, bytes]
+    biases = [None if m.bias is None else m.bias.detach().float().contiguous() for m in modules]
+    K = modules[0].in_features
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = kernel.panels_int8_linear_cat(x.reshape(-1, K).float().contiguous(), panels, biases)  # [M, sum N_i]
+        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    return forward
 
 
 def adopt(model: torch.nn.Module) -> int:

@@ -1190,6 +1190,11 @@ torch::Tensor bf16_panels(torch::Tensor weight);
 torch::Tensor bf16_linear_cat(torch::Tensor x, std::vector<torch::Tensor> panels,
                               std::vector<c10::optional<torch::Tensor>> biases);
 
+// The draft's int8 linear map from GGUF panels on VNNI dot products (cpu_int8_panels.cpp).
+bool int8_panels_available();
+torch::Tensor panels_int8_linear_cat(torch::Tensor x, std::vector<torch::Tensor> panels,
+                                     std::vector<c10::optional<torch::Tensor>> biases);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_available", &small_linear_available, "whether small_linear is compiled in (AVX2 + FMA)");
   m.def("small_linear", &small_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
@@ -1204,6 +1209,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_panels", &bf16_panels, py::arg("weight"), "a bfloat16 weight [N, K] as bf16_linear_cat's panels");
   m.def("bf16_linear_cat", &bf16_linear_cat, py::arg("x"), py::arg("panels"), py::arg("biases"),
         "bfloat16 x [M, K] by every panel set's weight, side by side, on bfloat16 dot products");
+  m.def("int8_panels_available", &int8_panels_available,
+        "whether panels_int8_linear_cat is compiled in (AVX512-VNNI and AVX512-VBMI)");
+  m.def("panels_int8_linear_cat", &panels_int8_linear_cat, py::arg("x"), py::arg("panels"), py::arg("biases"),
+        "x [M, K] rounded to int8 per row and 32-block, times Q4_1 or Q8_0 panels by VNNI dot products, side by side");
   m.def("small_linear_formats", &small_linear_formats, "the weight formats small_linear_cat reads here");
   m.def("amx_in_use", &amx_in_use, "whether GGUF panels are multiplied by the AMX tile unit here");
   m.def("use_amx", &use_amx, "allow (true) or forbid (false) the AMX tile unit (GEMM panels and prefill "

@@ -5,13 +5,19 @@ logits. So a draft may run its matrix multiplications in a faster, less precise 
 self-speculation the draft is the target's weights, so `DraftGemms` builds the draft its own module
 tree: the target's modules, shared, except that each `torch.nn.Linear` is a `LowPrecisionLinear` over a
 lower-precision copy of its weight. The target's modules are not touched, so its numbers do not
-change. On a 2-core EPYC with native bf16 dot products, a batch-16 step's GEMMs take 3.2x less
-time in bfloat16 than in float32 (the draft's cost there is its GEMMs, see BENCHMARKS.md).
+change. bfloat16 copies are multiplied by the CPU's bfloat16 dot products where the kernel has them
+(`engine.core.linear.bf16_panel_linear`; 1.3x torch's bfloat16 GEMM for a draft step on a Zen 4,
+BENCHMARKS.md section 44), else by torch.
 
-"int8" is int8 weights with dynamically quantised int8 activations: each weight row (output
-channel) is quantised symmetrically with its own scale, and each call quantises its input on the fly
-(`torch.ops.quantized.linear_dynamic`, fbgemm/x86 CPUs only). With VNNI dot products it is another
-2x cheaper than bfloat16 at batch 16, for a few points of acceptance (BENCHMARKS.md). Where the AMX
+"int8" rounds each call's input to int8. Where the model keeps GGUF panels (Q4_1 or Q8_0, the
+default model's) and the CPU has AVX512-VNNI and AVX512-VBMI, the draft multiplies those panels, the
+weights the target reads, with no copy: each row's input rounded per block of 32 with its own scale
+(`engine.core.linear.int8_panel_map`, cpu_int8_panels.cpp), so a row's draft does not depend on its
+batch. Elsewhere it is fbgemm's: an int8 copy of the weights, each output channel with its own scale,
+and one scale for the whole input of a call (`torch.ops.quantized.linear_dynamic`, x86 CPUs only).
+One scale for 16 rows' activations, whose outlier channels are 40x the rest, costs fbgemm's draft
+0.06 of acceptance on the code prompts against the panels' per-block scales (0.90 against 0.96,
+section 44). With VNNI dot products either is ~1.5x cheaper than bfloat16 at batch 16. Where the AMX
 tiles multiply the model's own GGUF panels (`engine.core.linear.amx_panels_take`), those float32
 GEMMs cost a draft step what int8 does, so "auto" keeps them: the draft then computes with the
 target's exact weights (acceptance 0.84 against int8's 0.69 on the code prompts, BENCHMARKS.md
@@ -33,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.kernels import cpu_flags
-from engine.core.linear import amx_panels_take, is_plain_linear
+from engine.core.linear import amx_panels_take, bf16_panel_linear, int8_panel_map, is_plain_linear
 from engine.errors import JobError
 from engine.models.loading import TORCH_DTYPES
 
@@ -91,11 +97,16 @@ def int8_reduce_range() -> bool:
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
     """x [..., in] -> x @ weight.T + bias [..., out] computed on a `dtype` copy of weight [out, in].
 
-    The result has x's dtype. bfloat16/float16: a converted copy. int8 (`INT8`): per-output-channel
-    symmetric int8 weights, activations quantised per call by fbgemm.
+    The result has x's dtype. bfloat16: panels for the CPU's bfloat16 dot products where the kernel
+    has them, else (and float16) a converted copy for torch. int8 (`INT8`): fbgemm's, per-output-channel
+    symmetric int8 weights, activations quantised per call (a module's own GGUF panels are taken
+    before this, by `LowPrecisionLinear` and the lean draft).
     """
     if dtype == INT8:
         return _int8_linear(weight, bias)
+    panel_linear = bf16_panel_linear(weight, bias) if dtype == torch.bfloat16 else None
+    if panel_linear is not None:  # the CPU's bfloat16 dot products (cpu_bf16_linear.cpp)
+        return panel_linear
     low_weight = weight.detach().to(dtype)  # [out, in]
     low_bias = None if bias is None else bias.detach().to(dtype)
 
@@ -125,8 +136,9 @@ class LowPrecisionLinear(torch.nn.Module):
     def __init__(self, source: torch.nn.Linear, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = source.in_features, source.out_features
-        self.compute = make_linear(source.weight, source.bias, dtype)
-        self.bytes = source.weight.numel() * dtype.itemsize
+        on_panels = int8_panel_map([source]) if dtype == INT8 else None  # the model's own Q4_1 panels
+        self.compute = on_panels or make_linear(source.weight, source.bias, dtype)
+        self.bytes = 0 if on_panels else source.weight.numel() * dtype.itemsize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], x's dtype
         return self.compute(x)
