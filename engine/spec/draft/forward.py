@@ -123,7 +123,7 @@ def _fused(modules: list[torch.nn.Linear], dtype: torch.dtype | None) -> Linear:
     the concatenated weight. None: the model's own weights side by side
     (`engine.core.lean_forward.side_by_side`: no copy).
     """
-    on_panels = int8_panel_map(modules) if dtype == INT8 else None  # the model's own Q4_1 panels, no copy
+    on_panels = int8_panel_map(modules) if dtype == INT8 else None  # the model's own GGUF panels, no copy
     if on_panels is not None:
         return on_panels
     if dtype is not None:

@@ -15,9 +15,10 @@ weights the target reads, with no copy: each row's input rounded per block of 32
 (`engine.core.linear.int8_panel_map`, cpu_int8_panels.cpp), so a row's draft does not depend on its
 batch. Elsewhere it is fbgemm's: an int8 copy of the weights, each output channel with its own scale,
 and one scale for the whole input of a call (`torch.ops.quantized.linear_dynamic`, x86 CPUs only).
-One scale for 16 rows' activations, whose outlier channels are 40x the rest, costs fbgemm's draft
-0.06 of acceptance on the code prompts against the panels' per-block scales (0.90 against 0.96,
-section 44). With VNNI dot products either is ~1.5x cheaper than bfloat16 at batch 16. Where the AMX
+One scale for 16 rows' activations, whose outlier channels are tens of times the rest, costs
+fbgemm's drafts 0.015-0.076 of acceptance on the code prompts against the panels' per-block scales
+(BENCHMARKS.md section 44). With VNNI dot products either is 1.2-1.5x cheaper than bfloat16 at batch
+16. Where the AMX
 tiles multiply the model's own GGUF panels (`engine.core.linear.amx_panels_take`), those float32
 GEMMs cost a draft step what int8 does, so "auto" keeps them: the draft then computes with the
 target's exact weights (acceptance 0.84 against int8's 0.69 on the code prompts, BENCHMARKS.md
@@ -136,7 +137,7 @@ class LowPrecisionLinear(torch.nn.Module):
     def __init__(self, source: torch.nn.Linear, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = source.in_features, source.out_features
-        on_panels = int8_panel_map([source]) if dtype == INT8 else None  # the model's own Q4_1 panels
+        on_panels = int8_panel_map([source]) if dtype == INT8 else None  # the model's own GGUF panels, no copy
         self.compute = on_panels or make_linear(source.weight, source.bias, dtype)
         self.bytes = 0 if on_panels else source.weight.numel() * dtype.itemsize
 
