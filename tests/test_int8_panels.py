@@ -128,3 +128,23 @@ def test_the_default_models_int8_draft_reads_its_panels_and_follows_it_more_clos
     agree_panels = (from_panels == exact).float().mean().item()
     agree_fbgemm = (from_fbgemm == exact).float().mean().item()
     assert agree_panels > agree_fbgemm, (agree_panels, agree_fbgemm)
+
+
+@pytest.mark.real_model
+def test_the_memory_check_counts_no_int8_copy_where_the_draft_reads_the_panels(monkeypatch):
+    """A float32 job on the default model (a GGUF) with int8 draft GEMMs: no int8 copy where the op takes
+    the panels here (AVX512-VNNI and VBMI, the switch on); one byte a linear weight with the switch off."""
+    from engine.config.loading import load_recipe
+    from engine.core.kernels import int8_panels_wanted
+    from engine.job import memory
+    from engine.models.shapes import linear_params
+    from engine.spec.draft.gemms import int8_supported
+
+    if not int8_supported():
+        pytest.skip("this torch build has no x86/fbgemm quantized engine (int8 draft GEMMs are refused)")
+    recipe = load_recipe("code", ("device=cpu", "dtype=float32", "draft.linear_dtype=int8"))
+    copy = linear_params(memory.model_shapes(recipe.model))  # bytes of an int8 copy
+    panels = int8_panels_wanted()
+    with_switch = memory.check_memory(recipe)
+    monkeypatch.setenv(engine_linear.INT8_PANELS_ENV, "0")
+    assert memory.check_memory(recipe) - with_switch == (copy if panels else 0)

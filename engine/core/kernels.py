@@ -34,6 +34,7 @@ HEADERS = [Path(__file__).with_name("csrc") / name for name in ("vector_math.h",
 AMX_ENV = "MAGICDEC_AMX"  # "0": no AMX tiles (GEMM panels by AVX-512 FMAs, prefill attention by the vector task)
 BF16_DOT_ENV = "MAGICDEC_BF16_DOT"  # "0": a bfloat16 model's prefill attention widens to float32 FMAs
 BF16_GEMM_ENV = "MAGICDEC_BF16_GEMM"  # "0": a bfloat16 model's linears keep torch's GEMM (engine.core.linear)
+INT8_PANELS_ENV = "MAGICDEC_INT8_PANELS"  # "0": a draft's int8 GEMMs by fbgemm even where GGUF panels are kept
 REQUIRE_ENV = "MAGICDEC_REQUIRE_KERNEL"  # "1": a failed build raises instead of falling back to torch
 _state: dict[str, object] = {}
 log = logging.getLogger(__name__)
@@ -60,6 +61,14 @@ def bf16_gemm_wanted() -> bool:
     `MAGICDEC_BF16_GEMM` is not "0". Read without building the kernel (the memory check asks too)."""
     flags = cpu_flags().split()
     return os.environ.get(BF16_GEMM_ENV, "1") != "0" and "avx512_bf16" in flags and "amx_bf16" not in flags
+
+
+def int8_panels_wanted() -> bool:
+    """Whether a draft's int8 GEMMs take a GGUF model's own panels here (`engine.core.linear.int8_panel_map`):
+    the CPU has AVX512-VNNI and AVX512-VBMI and `MAGICDEC_INT8_PANELS` is not "0". Read without
+    building the kernel (the memory check asks too)."""
+    flags = cpu_flags().split()
+    return os.environ.get(INT8_PANELS_ENV, "1") != "0" and "avx512_vnni" in flags and "avx512vbmi" in flags
 
 
 def cpu_model() -> str:

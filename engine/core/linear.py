@@ -69,7 +69,7 @@ MAX_ROWS_AVX512 = 40  # AVX-512: from ~40 rows torch's GEMM is as fast (BENCHMAR
 SWITCH_ENV = "MAGICDEC_SMALL_GEMM"  # "0": always torch's GEMM
 BLOCKS_ENV = "MAGICDEC_GGUF_BLOCKS"  # "0": the kernel reads float32 weights even where blocks are attached
 BF16_ENV = cpu_kernels.BF16_GEMM_ENV  # "0": a bfloat16 model's linears keep torch's GEMM
-INT8_PANELS_ENV = "MAGICDEC_INT8_PANELS"  # "0": a draft's int8 GEMMs by fbgemm even where GGUF panels are kept
+INT8_PANELS_ENV = cpu_kernels.INT8_PANELS_ENV  # "0": a draft's int8 GEMMs by fbgemm even where GGUF panels are kept
 # block formats -> the kernel's ids (cpu_linear.cpp's WeightFormat); *_panels: regrouped by 16 outputs
 FORMATS = {"q4_1": 1, "q8_0": 2, "q4_1_panels": 3, "q8_0_panels": 4}
 _PANEL_IDS = frozenset(FORMATS[name] for name in PANEL_FORMATS.values())
@@ -332,7 +332,7 @@ def int8_panel_map(modules: list[torch.nn.Module]):
     then takes fbgemm's int8)."""
     kernel = _kernel()
     packed = [getattr(m, "packed", None) for m in modules]
-    if (kernel is None or os.environ.get(INT8_PANELS_ENV, "1") == "0" or not kernel.int8_panels_available()
+    if (kernel is None or not cpu_kernels.int8_panels_wanted() or not kernel.int8_panels_available()
             or not all(p is not None and p.format in PANEL_FORMATS.values() and p.format in _blocks_read()
                        for p in packed)):
         return None

@@ -3,7 +3,8 @@
 The KV cache is the big allocation (slots x capacity x layers x 2 x kv_heads x head_dim x bytes,
 see `KVCache.bytes_needed`); the weights come on top, and the prefix store of each model's cache
 (`batch.prefix_cache` tokens of K/V, `engine.core.prefix_store`), the draft's lower-precision copy of
-its linear weights (`engine.spec.draft.gemms`) when it has one, the GGUF blocks a float32 CPU model
+its linear weights (`engine.spec.draft.gemms`) when it has one (int8 from a GGUF model's own panels
+makes none), the GGUF blocks a float32 CPU model
 keeps for its few-row GEMMs (`engine.models.gguf_blocks`), the panels a bfloat16 CPU model's
 linears are multiplied from on a CPU with AVX512-BF16 (`engine.core.linear.bf16_linear`), and the lean
 CPU draft's compact bf16 store of its StreamingLLM/SnapKV/guided view
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.config.schema import Recipe, round_scratch, slot_capacity
-from engine.core.kernels import bf16_gemm_wanted
+from engine.core.kernels import bf16_gemm_wanted, int8_panels_wanted
 from engine.core.kv_cache import KVCache
 from engine.core.prefix_store import PrefixStore
 from engine.errors import JobError
@@ -29,7 +30,7 @@ from engine.models.registry import source_gguf
 from engine.models.shapes import linear_params, shape_name, weight_bytes
 from engine.spec.compressors.compact import CompactStore
 from engine.spec.compressors.registry import COMPRESSORS
-from engine.spec.draft.gemms import resolve_linear_dtype
+from engine.spec.draft.gemms import INT8, resolve_linear_dtype
 
 HEADROOM = 0.9  # leave 10% of the free memory for activations, the allocator and the rest
 
@@ -105,6 +106,8 @@ def check_memory(recipe: Recipe, *, tp: int = 1) -> int:
     # The draft's lower-precision copy of its linear layers and lm_head (engine.spec.draft.gemms), if any.
     draft_dtype = resolve_linear_dtype(recipe.draft.linear_dtype, dtype, device) if speculative else None
     draft_copy = linear_params(shapes[-1]) * draft_dtype.itemsize // tp if draft_dtype else 0
+    if draft_dtype == INT8 and gguf_blocks_bytes(models[-1], shapes[-1], device, dtype) and int8_panels_wanted():
+        draft_copy = 0  # int8 from the model's own GGUF panels, counted in `blocks` below: no copy
 
     stores = sum(prefix_store_bytes(recipe, s, dtype, tp) for s in shapes)  # independent of the batch size
     blocks = sum(gguf_blocks_bytes(m, s, device, dtype) + bf16_panels_bytes(s, device, dtype)
