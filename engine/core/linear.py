@@ -292,17 +292,12 @@ def bf16_linear(module: EngineLinear, x: torch.Tensor) -> torch.Tensor:
     them (a bfloat16 CPU input, N a multiple of 16, K even), else F.linear. The weight's panels and the
     bias in float32 are made on the first call and kept on the module (the weights are frozen)."""
     kernel = bf16_kernel()
-    weight = module.weight
-    N, K = weight.shape
-    if (kernel is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or N % PANEL_OUTPUTS or K % 2
+    if (not _bf16_takes(kernel, module.weight) or x.dtype != torch.bfloat16 or x.device.type != "cpu"
             or x.numel() == 0):
-        return F.linear(x, weight, module.bias)
+        return F.linear(x, module.weight, module.bias)
     if module.bf16_panels is None:
-        bias = module.bias.detach().float().contiguous() if module.bias is not None else None
-        module.bf16_panels = (kernel.bf16_panels(weight.detach()), bias)
-    panels, bias = module.bf16_panels
-    out = kernel.bf16_linear_cat(x.reshape(-1, K).contiguous(), [panels], [bias])
-    return out.view(*x.shape[:-1], N)
+        module.bf16_panels = _bf16_panels(kernel, module.weight, module.bias)
+    return _bf16_times(kernel, x, *module.bf16_panels)
 
 
 def bf16_panel_linear(weight: torch.Tensor, bias: torch.Tensor | None):
@@ -311,16 +306,29 @@ def bf16_panel_linear(weight: torch.Tensor, bias: torch.Tensor | None):
     bfloat16 copy of a float32 weight, `engine.spec.draft.gemms`); None where the kernel does not
     take it (no `bf16_kernel`, a weight off the CPU, N not a multiple of 16, K odd)."""
     kernel = bf16_kernel()
-    N, K = weight.shape
-    if kernel is None or weight.device.type != "cpu" or N % PANEL_OUTPUTS or K % 2:
+    if not _bf16_takes(kernel, weight):
         return None
-    panels = kernel.bf16_panels(weight.detach().to(torch.bfloat16).contiguous())  # [N / 16, K / 2, 16, 2]
-    bias32 = None if bias is None else bias.detach().float().contiguous()
+    panels, bias32 = _bf16_panels(kernel, weight, bias)
+    return lambda x: _bf16_times(kernel, x.to(torch.bfloat16), panels, bias32).to(x.dtype)
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, K).to(torch.bfloat16).contiguous()  # [M, K]
-        return kernel.bf16_linear_cat(rows, [panels], [bias32]).view(*x.shape[:-1], N).to(x.dtype)
-    return forward
+
+def _bf16_takes(kernel, weight: torch.Tensor) -> bool:
+    """Whether the bfloat16 kernel (or None) multiplies this weight [N, K]: on the CPU, N a multiple of
+    16, K even."""
+    N, K = weight.shape
+    return kernel is not None and weight.device.type == "cpu" and N % PANEL_OUTPUTS == 0 and K % 2 == 0
+
+
+def _bf16_panels(kernel, weight: torch.Tensor, bias: torch.Tensor | None):
+    """(weight [N, K] as bfloat16 panels [N / 16, K / 2, 16, 2], the bias in float32 or None)."""
+    panels = kernel.bf16_panels(weight.detach().to(torch.bfloat16).contiguous())
+    return panels, None if bias is None else bias.detach().float().contiguous()
+
+
+def _bf16_times(kernel, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] bfloat16 times the panels (+ bias) -> [..., N] bfloat16."""
+    out = kernel.bf16_linear_cat(x.reshape(-1, x.shape[-1]).contiguous(), [panels], [bias])
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def int8_panel_map(modules: list[torch.nn.Module]):
