@@ -123,17 +123,25 @@ thread_local Scratch t_scratch;
 inline int64_t blocks_of(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
 // mass[e] = sum_r probs[block of e][r][e % kBlock] * f(r, block), f = base^(block_max - row_max) / row_sum
-// (probs [n_blocks, R, kBlock]). base2: scores and maxima in log2 units (the AVX2 task), else natural.
+// (probs [n_blocks, R, kBlock]), the rows added in order. base2: scores and maxima in log2 units (the
+// AVX2 task), else natural. A row's block maxima are its running maximum, which changes at a few
+// blocks only: f is computed again only where the block's maximum differs from the block before
+// (the same formula for a fraction of the exponentials: one per row and block cost ~2% of the
+// kernel's time at 7 tokens a row, BENCHMARKS.md section 45).
 void finish_mass(float* __restrict mass, int64_t R, int64_t n, const float* probs, const float* block_max,
                  const float* row_max, const float* row_sum, bool base2) {
   const int64_t n_blocks = blocks_of(n);
-  for (int64_t blk = 0; blk < n_blocks; ++blk) {
-    float* m = mass + blk * kBlock;
-    const int64_t len = std::min(kBlock, n - blk * kBlock);
-    for (int64_t r = 0; r < R; ++r) {
-      if (!(row_sum[r] > 0.0f)) continue;
-      const float delta = block_max[r * n_blocks + blk] - row_max[r];
-      const float f = (base2 ? std::exp2(delta) : std::exp(delta)) / row_sum[r];
+  for (int64_t r = 0; r < R; ++r) {
+    if (!(row_sum[r] > 0.0f)) continue;
+    const float* maxima = block_max + r * n_blocks;
+    float f = 0.0f;
+    for (int64_t blk = 0; blk < n_blocks; ++blk) {
+      if (blk == 0 || maxima[blk] != maxima[blk - 1]) {
+        const float delta = maxima[blk] - row_max[r];
+        f = (base2 ? std::exp2(delta) : std::exp(delta)) / row_sum[r];
+      }
+      float* m = mass + blk * kBlock;
+      const int64_t len = std::min(kBlock, n - blk * kBlock);
       const float* p = probs + (blk * R + r) * kBlock;
       for (int64_t i = 0; i < len; ++i) m[i] += f * p[i];
     }
