@@ -22,8 +22,7 @@ import torch
 
 from engine.core.attention import ForwardBatch, attend_full
 from engine.core.lean_forward import Linear, LeanStack, side_by_side, supports
-from engine.core.linear import int8_panel_map
-from engine.spec.draft.gemms import INT8, DraftGemms, make_linear, resolve_linear_dtype
+from engine.spec.draft.gemms import INT8, DraftGemms, draft_map, resolve_linear_dtype
 from engine.spec.compressors.base import Compressor
 from engine.core.runner import ModelRunner
 
@@ -116,22 +115,10 @@ class LeanDraft:
 
 
 def _fused(modules: list[torch.nn.Linear], dtype: torch.dtype | None) -> Linear:
-    """One linear map computing every module's output side by side ([..., in] -> [..., sum of outs]).
-
-    int8 over modules that keep GGUF panels: those panels, the input rounded per block
-    (`engine.core.linear.int8_panel_map`: no copy). Other lower-precision dtypes: that dtype's copy of
-    the concatenated weight. None: the model's own weights side by side
-    (`engine.core.lean_forward.side_by_side`: no copy).
-    """
-    on_panels = int8_panel_map(modules) if dtype == INT8 else None  # the model's own GGUF panels, no copy
-    if on_panels is not None:
-        return on_panels
+    """One linear map computing every module's output side by side ([..., in] -> [..., sum of outs]):
+    the draft's `dtype` map (`engine.spec.draft.gemms.draft_map`: int8 from the modules' own GGUF
+    panels where they keep them, else that dtype's copy of the concatenated weight), or with None the
+    model's own weights side by side (`engine.core.lean_forward.side_by_side`: no copy)."""
     if dtype is not None:
-        weight = torch.cat([m.weight.detach() for m in modules])  # [sum of outs, in]
-        biases = [m.bias for m in modules]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                              for b, m in zip(biases, modules)])
-        return make_linear(weight, bias, dtype)
+        return draft_map(modules, dtype)[0]
     return side_by_side(modules)

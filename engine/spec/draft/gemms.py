@@ -25,7 +25,9 @@ target's exact weights (acceptance 0.84 against int8's 0.69 on the code prompts,
 section 32).
 
 `resolve_linear_dtype` reads the recipe's `draft.linear_dtype`; `make_linear` is one low-precision
-linear map (the lean draft forward, `engine.draft_forward`, fuses several into one). Not here: the
+linear map, and `draft_map` the draft's map over one or more modules side by side (the module path
+takes one, the lean draft forward, `engine.spec.draft.forward`, fuses several): their own GGUF panels
+for int8 where they keep them, else `make_linear` on their weights. Not here: the
 draft's KV (the compressors). Layers DeepSpeed has replaced for tensor parallelism are not
 `nn.Linear` and keep their own forward.
 """
@@ -101,7 +103,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
     The result has x's dtype. bfloat16: panels for the CPU's bfloat16 dot products where the kernel
     has them, else (and float16) a converted copy for torch. int8 (`INT8`): fbgemm's, per-output-channel
     symmetric int8 weights, activations quantised per call (a module's own GGUF panels are taken
-    before this, by `LowPrecisionLinear` and the lean draft).
+    before this, by `draft_map`).
     """
     if dtype == INT8:
         return _int8_linear(weight, bias)
@@ -131,15 +133,35 @@ def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None):
     return linear
 
 
+def draft_map(modules: list[torch.nn.Linear], dtype: torch.dtype):
+    """The draft's `dtype` map computing every module's output side by side ([..., in] -> [..., sum of
+    outs], x's dtype), and the bytes of the weight copy it made.
+
+    int8 over modules that keep GGUF panels: those panels, the input rounded per block
+    (`engine.core.linear.int8_panel_map`: no copy). Otherwise `make_linear` on the weights (concatenated
+    when there are several; a missing bias counts as zeros beside the others)."""
+    on_panels = int8_panel_map(modules) if dtype == INT8 else None
+    if on_panels is not None:
+        return on_panels, 0
+    if len(modules) == 1:
+        weight, bias = modules[0].weight, modules[0].bias
+    else:
+        weight = torch.cat([m.weight.detach() for m in modules])  # [sum of outs, in]
+        bias = None
+        if any(m.bias is not None for m in modules):
+            bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                              for m in modules])
+    return make_linear(weight, bias, dtype), weight.numel() * dtype.itemsize
+
+
 class LowPrecisionLinear(torch.nn.Module):
-    """One of the draft's linear layers: a target `nn.Linear` computed on a lower-precision copy."""
+    """One of the draft's linear layers: a target `nn.Linear` computed by `draft_map` (its own GGUF
+    panels, or a lower-precision copy)."""
 
     def __init__(self, source: torch.nn.Linear, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = source.in_features, source.out_features
-        on_panels = int8_panel_map([source]) if dtype == INT8 else None  # the model's own GGUF panels, no copy
-        self.compute = on_panels or make_linear(source.weight, source.bias, dtype)
-        self.bytes = 0 if on_panels else source.weight.numel() * dtype.itemsize
+        self.compute, self.bytes = draft_map([source], dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], x's dtype
         return self.compute(x)
