@@ -30,7 +30,7 @@ SOURCES = [Path(__file__).with_name("csrc") / name
                         "cpu_linear.cpp", "cpu_pqcache.cpp", "cpu_bf16_linear.cpp",
                         "cpu_int8_panels.cpp")]
 # included by the sources, copied beside them
-HEADERS = [Path(__file__).with_name("csrc") / name for name in ("vector_math.h", "amx_tiles.h")]
+HEADERS = [Path(__file__).with_name("csrc") / name for name in ("vector_math.h", "amx_tiles.h", "panel_tasks.h")]
 AMX_ENV = "MAGICDEC_AMX"  # "0": no AMX tiles (GEMM panels by AVX-512 FMAs, prefill attention by the vector task)
 BF16_DOT_ENV = "MAGICDEC_BF16_DOT"  # "0": a bfloat16 model's prefill attention widens to float32 FMAs
 BF16_GEMM_ENV = "MAGICDEC_BF16_GEMM"  # "0": a bfloat16 model's linears keep torch's GEMM (engine.core.linear)

@@ -31,6 +31,8 @@
 #include <utility>
 #include <vector>
 
+#include "panel_tasks.h"  // for_panel_tiles
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && \
     defined(__F16C__)
 #include <immintrin.h>
@@ -193,21 +195,12 @@ torch::Tensor panels_int8_linear_cat(torch::Tensor x, std::vector<torch::Tensor>
   for (int64_t r = 0; r < M; ++r) quantise_row(xp + r * K, K, q.data() + r * K, scale.data() + r * blocks,
                                                sum.data() + r * blocks);
   float* op = out.data_ptr<float>();
-  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
-  at::parallel_for(0, first_task[parts], 1, [&](int64_t first, int64_t last) {
-    int64_t i = 0;
-    for (int64_t t = first; t < last; ++t) {
-      while (t >= first_task[i + 1]) ++i;
-      const int64_t g = t - first_task[i], n = g * kOutputs;
-      const uint8_t* panel = panel_ptr[i] + g * blocks * (q8[i] ? kQ8_0BlockBytes : kQ4_1BlockBytes);
-      const float* bn = bias_ptr[i] != nullptr ? bias_ptr[i] + n : nullptr;
-      for (int64_t tile = 0, m = 0; tile < tiles; ++tile) {
-        const int64_t rows = (M - m) / (tiles - tile);
-        (q8[i] ? kQ8_0Rows : kQ4_1Rows)[rows](q.data() + m * K, scale.data() + m * blocks, sum.data() + m * blocks, K, panel, bn,
-                         op + m * N + columns[i] + n, N);
-        m += rows;
-      }
-    }
+  magicdec_panels::for_panel_tiles(first_task, M, kMaxRows, [&](int64_t i, int64_t g, int64_t m, int64_t rows) {
+    const int64_t n = g * kOutputs;
+    const uint8_t* panel = panel_ptr[i] + g * blocks * (q8[i] ? kQ8_0BlockBytes : kQ4_1BlockBytes);
+    const float* bn = bias_ptr[i] != nullptr ? bias_ptr[i] + n : nullptr;
+    (q8[i] ? kQ8_0Rows : kQ4_1Rows)[rows](q.data() + m * K, scale.data() + m * blocks, sum.data() + m * blocks, K,
+                                          panel, bn, op + m * N + columns[i] + n, N);
   });
 #else
   TORCH_CHECK(false, "panels_int8_linear_cat needs a build for a CPU with AVX512-VNNI and AVX512-VBMI");

@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "amx_tiles.h"   // MAGICDEC_AMX_TILES, TileConfig, amx_permitted
+#include "panel_tasks.h"  // for_panel_tiles
 #include "vector_math.h"
 
 namespace {
@@ -287,21 +288,12 @@ void panel_linear(const float* x, int64_t M, int64_t K, const std::vector<const 
   const int64_t parts = static_cast<int64_t>(panels.size());
   std::vector<int64_t> first_task(parts + 1, 0);
   for (int64_t i = 0; i < parts; ++i) first_task[i + 1] = first_task[i] + widths[i] / kPanelOutputs;
-  const int64_t tiles = (M + kMaxPanelRows - 1) / kMaxPanelRows;
-  at::parallel_for(0, first_task[parts], 1, [&](int64_t first, int64_t last) {
-    int64_t i = 0;
-    for (int64_t t = first; t < last; ++t) {
-      while (t >= first_task[i + 1]) ++i;
-      const int64_t g = t - first_task[i], n = g * kPanelOutputs;
-      const bool q8 = formats[i] == kQ8_0Panels;
-      const uint8_t* panel = panels[i] + g * (K / kBlock) * (q8 ? kQ8PanelBlockBytes : kPanelBlockBytes);
-      const float* bn = biases[i] != nullptr ? biases[i] + n : nullptr;
-      for (int64_t tile = 0, m = 0; tile < tiles; ++tile) {
-        const int64_t rows = (M - m) / (tiles - tile);
-        (q8 ? kQ8_0PanelRows : kQ4_1PanelRows)[rows](x + m * K, K, panel, bn, out + m * N + columns[i] + n, N);
-        m += rows;
-      }
-    }
+  magicdec_panels::for_panel_tiles(first_task, M, kMaxPanelRows, [&](int64_t i, int64_t g, int64_t m, int64_t rows) {
+    const int64_t n = g * kPanelOutputs;
+    const bool q8 = formats[i] == kQ8_0Panels;
+    const uint8_t* panel = panels[i] + g * (K / kBlock) * (q8 ? kQ8PanelBlockBytes : kPanelBlockBytes);
+    const float* bn = biases[i] != nullptr ? biases[i] + n : nullptr;
+    (q8 ? kQ8_0PanelRows : kQ4_1PanelRows)[rows](x + m * K, K, panel, bn, out + m * N + columns[i] + n, N);
   });
 }
 #endif  // MAGICDEC_GGUF_BLOCKS && MAGICDEC_AVX512
