@@ -107,7 +107,9 @@ class SharedRoomGuided(guided.Guided):
 def main() -> None:
     args = sys.argv[1:]
     if "--share" not in args or args.index("--share") + 1 >= len(args) or args[args.index("--share") + 1] not in SHARES:
-        sys.exit(f"guided_allocation.py: --share {' | '.join(SHARES)} is required (then bench_variants.py's flags)")
+        print(f"guided_allocation.py: --share {' | '.join(SHARES)} is required (then bench_variants.py's flags)",
+              file=sys.stderr)
+        sys.exit(2)
     at = args.index("--share")
     SharedRoomGuided.share = args[at + 1]
     sys.argv = [sys.argv[0], *args[:at], *args[at + 2:]]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 FIGURES = ("acceptance_rate", "mean_accepted_length", "t_draft_over_t_target", "t_verify_over_t_target",
@@ -69,7 +70,12 @@ def bars(drafts: dict[str, dict]) -> dict[str, dict]:
 
 
 def report(path: Path) -> dict:
-    result = json.loads(path.read_text())
+    try:
+        result = json.loads(path.read_text())
+        result["rows"][0]["gamma"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as error:
+        print(f"guided_properties.py: {path}: not a bench_variants.py result ({error})", file=sys.stderr)
+        sys.exit(2)
     runs = draft_runs(result["rows"])
     budgets = sorted({budget for _, budget in runs})
     out = {"file": str(path), "date": result.get("date"), "budgets": {}}
